@@ -1,0 +1,16 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="tf_gradsync",
+    version="0.1.0",
+    description="Compressed, bucketed gradient all-reduce for tf.distribute",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["tf_gradsync", "tf_gradsync.*"]),
+    python_requires=">=3.9",
+    install_requires=["tensorflow>=2.16", "numpy", "absl-py", "pyyaml"],
+    extras_require={
+        "test": ["pytest", "scikit-learn", "tf_keras", "hypothesis"],
+        "examples": ["scikit-learn"],
+    },
+)

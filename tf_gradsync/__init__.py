@@ -1,0 +1,15 @@
+"""tf_gradsync: compressed, bucketed gradient synchronisation for tf.distribute."""
+
+from tf_gradsync import algorithms, compression
+from tf_gradsync.bucketing import BucketPlan, plan_buckets
+from tf_gradsync.cross_device_ops import CompressedAllReduce
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BucketPlan",
+    "CompressedAllReduce",
+    "algorithms",
+    "compression",
+    "plan_buckets",
+]

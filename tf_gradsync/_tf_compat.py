@@ -1,0 +1,75 @@
+"""Every private TensorFlow import used by tf_gradsync, in one place.
+
+`tf.distribute.CrossDeviceOps` subclasses must build values (`Mirrored`), resolve
+destination devices and launch collective ops, none of which TensorFlow exports
+publicly. Keeping these imports here means a TensorFlow upgrade touches one file.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import tensorflow as tf
+from tensorflow.python.distribute import cross_device_ops as _cross_device_ops
+from tensorflow.python.distribute import distribute_utils as _distribute_utils
+from tensorflow.python.distribute import values as _values
+from tensorflow.python.ops import collective_ops as _collective_ops
+from tensorflow.python.ops import resource_variable_ops as _resource_variable_ops
+
+Mirrored = _values.Mirrored
+PerReplica = _values.PerReplica
+CollectiveAllReduce = _cross_device_ops.CollectiveAllReduce
+
+#: TF's own helpers for single-value broadcast and for a one-device reduce.
+simple_broadcast = _cross_device_ops.simple_broadcast
+
+
+def devices_of(destinations) -> tuple[str, ...]:
+    """Canonical device strings of a destination (string, variable, tensor or DistributedValues)."""
+    return tuple(_cross_device_ops.get_devices_from(destinations))
+
+
+def canonical_device(device: str) -> str:
+    return tf.DeviceSpec.from_string(device).to_string() if device else device
+
+
+def to_per_replica(value) -> "PerReplica":
+    """Wraps a plain tensor into a one-element PerReplica, as TF's own ops do."""
+    return _cross_device_ops._make_tensor_into_per_replica(value)  # pylint: disable=protected-access
+
+
+def regroup_mirrored(per_device: Sequence) -> object:
+    """One value per destination device -> a `Mirrored` (or the value itself for one device)."""
+    if len(per_device) == 1:
+        return per_device[0]
+    return _distribute_utils.regroup(tuple(per_device), wrap_class=Mirrored)
+
+
+def plain_variable(initial_value, *, name: str, device: str | None = None,
+                                      trainable: bool = False) -> tf.Variable:
+    """Creates an ordinary resource variable even inside a distribution-strategy scope.
+
+    State such as byte counters and error-feedback residuals belongs to one device; a
+    strategy's variable creator would turn it into a mirrored variable. Constructing the
+    concrete class directly bypasses the creator stack, and `init_scope` lifts creation out
+    of any `tf.function` being traced, so state may be created lazily at first trace.
+    """
+    with tf.init_scope():
+        with tf.device(device):
+            return _resource_variable_ops.ResourceVariable(
+                    initial_value, name=name, trainable=trainable)
+
+
+def collective_all_reduce(t: tf.Tensor, group_size: int, group_key: int, instance_key: int,
+                          ordering_token, timeout: float = 0) -> tf.Tensor:
+    return _collective_ops.all_reduce_v2(
+        t, group_size=group_size, group_key=group_key, instance_key=instance_key,
+        merge_op="Add", final_op="Id", communication_hint="ring", timeout=timeout,
+        ordering_token=ordering_token)
+
+
+def collective_all_gather(t: tf.Tensor, group_size: int, group_key: int, instance_key: int,
+                          ordering_token, timeout: float = 0) -> tf.Tensor:
+    return _collective_ops.all_gather_v2(
+        t, group_size=group_size, group_key=group_key, instance_key=instance_key,
+        communication_hint="ring", timeout=timeout, ordering_token=ordering_token)

@@ -1,0 +1,59 @@
+"""Helpers shared by the communication algorithms."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import tensorflow as tf
+
+from tf_gradsync.compression.base import nbytes
+
+# Per device, a list of payload tensors (one entry per payload tensor of a bucket).
+DevicePayloads = Sequence[Sequence[tf.Tensor]]
+
+
+class Wire:
+    """Moves tensors between devices and counts every byte that crosses."""
+
+    def __init__(self):
+        self._bytes: list[tf.Tensor] = []
+
+    def send(self, t: tf.Tensor, device: str) -> tf.Tensor:
+        """Copies `t` to `device`; the copy is the transfer that gets counted."""
+        with tf.device(device):
+            out = tf.identity(t)
+        self._bytes.append(nbytes([out]))
+        return out
+
+    def fed(self, tensors: Sequence[tf.Tensor], num: int, den: int = 1) -> None:
+        """Counts tensors handed to a collective op that sends num/den of its input."""
+        self._bytes.append(nbytes(tensors) * num // den)
+
+    def absorb(self, other: "Wire") -> tf.Tensor:
+        """Adds another wire's transfers to this one; returns their bytes."""
+        self._bytes.extend(other._bytes)
+        return other.bytes()
+
+    def bytes(self) -> tf.Tensor:
+        """Total bytes sent by all devices (int64 scalar)."""
+        return tf.add_n(self._bytes) if self._bytes else tf.constant(0, tf.int64)
+
+
+def accumulate(a: tf.Tensor, b: tf.Tensor) -> tf.Tensor:
+    """a + b, computed in float32 for 16-bit floats so only the result is rounded."""
+    if a.dtype in (tf.float16, tf.bfloat16):
+        return tf.cast(tf.cast(a, tf.float32) + tf.cast(b, tf.float32), a.dtype)
+    return a + b
+
+
+def even_sizes(numel: int, parts: int) -> list[int]:
+    """Splits `numel` elements into `parts` sizes differing by at most one."""
+    base, extra = divmod(numel, parts)
+    return [base + (1 if i < extra else 0) for i in range(parts)]
+
+
+def check_static(t: tf.Tensor) -> int:
+    n = t.shape.num_elements()
+    if n is None:
+        raise ValueError(f"summable payloads need static shapes, got {t.shape}")
+    return n

@@ -1,0 +1,121 @@
+"""TensorFlow collective ops (CollectiveReduceV2 / CollectiveGatherV2) fed with payloads.
+
+TensorFlow's collective runtime runs the exchange (a ring on CPUs and across workers,
+NCCL between GPUs when asked); we hand it the compressed payload tensors, so the bytes
+it moves are the compressed ones. Byte counts use the payload tensors fed to the ops
+and the ring's traffic per device: 2(N-1)/N of the input for a reduce, N-1 copies of
+it for a gather.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from typing import Sequence
+
+import tensorflow as tf
+
+from tf_gradsync import _tf_compat
+from tf_gradsync.algorithms._common import DevicePayloads, Wire
+
+# Far above the group keys TensorFlow's own CollectiveAllReduce allocates from 1, so
+# both can live in one process without sharing a key for different device groups.
+_GROUP_KEY_BASE = 0x6A5000
+_INSTANCE_KEY_BASE = 0x6A5000
+_lock = threading.Lock()
+_group_keys: dict[tuple[str, ...], int] = {}
+_instance_keys = itertools.count(_INSTANCE_KEY_BASE)
+_tokens: dict[str, tf.Variable] = {}
+
+
+def group_key(devices: Sequence[str]) -> int:
+    """A process-wide key per ordered device group, allocated in first-use order."""
+    with _lock:
+        key = tuple(devices)
+        if key not in _group_keys:
+            _group_keys[key] = _GROUP_KEY_BASE + len(_group_keys)
+        return _group_keys[key]
+
+
+def ordering_token(device: str) -> tf.Tensor:
+    """The per-device resource that orders collectives launched on `device`.
+
+    Collective ops need it: it gives the ops on one device a fixed launch order (the
+    same on every device, since all devices build their collectives in the same
+    order), without which the collective runtime can wait forever.
+    """
+    with _lock:
+        if device not in _tokens:
+            _tokens[device] = _tf_compat.plain_variable(0.0, name="ordering_token", device=device)
+        return _tokens[device].handle
+
+
+def next_instance_key() -> int:
+    """A fresh key shared by the ops of one collective on all devices."""
+    with _lock:
+        return next(_instance_keys)
+
+
+def all_reduce(payloads: DevicePayloads, devices: Sequence[str], wire: Wire,
+               group_size: int | None = None, timeout: float = 0) -> list[list[tf.Tensor]]:
+    """Sums payload tensors with CollectiveReduceV2; every device gets the sum.
+
+    Args:
+      payloads: per local device, the payload tensors.
+      devices: the local devices.
+      wire: records the bytes fed to the collectives.
+      group_size: members of the collective group across all workers (default: the
+        local devices).
+      timeout: seconds before a collective whose peers are missing fails (0: never).
+    """
+    n = group_size or len(devices)
+    gkey = group_key(devices)
+    keys = [next_instance_key() for _ in payloads[0]]
+
+    def launch(payloads):
+        out: list[list[tf.Tensor]] = [[] for _ in devices]
+        for k, ikey in enumerate(keys):
+            for i, d in enumerate(devices):
+                with tf.device(d):
+                    out[i].append(_tf_compat.collective_all_reduce(
+                        payloads[i][k], n, gkey, ikey, ordering_token(d), timeout))
+        return out
+
+    for k in range(len(keys)):
+        wire.fed([p[k] for p in payloads], 2 * (n - 1), n)
+    return _in_graph(launch, payloads)
+
+
+def all_gather(payloads: DevicePayloads, devices: Sequence[str], wire: Wire,
+               group_size: int | None = None, timeout: float = 0) -> list[list[list[tf.Tensor]]]:
+    """Gathers every member's payload with CollectiveGatherV2.
+
+    Returns:
+      Per local device, the list of all members' payloads in rank order.
+    """
+    n = group_size or len(devices)
+    gkey = group_key(devices)
+    keys = [next_instance_key() for _ in payloads[0]]
+
+    def launch(payloads):
+        out = [[[] for _ in range(n)] for _ in devices]
+        for k, ikey in enumerate(keys):
+            for i, d in enumerate(devices):
+                with tf.device(d):
+                    gathered = _tf_compat.collective_all_gather(
+                        tf.expand_dims(payloads[i][k], 0), n, gkey, ikey, ordering_token(d), timeout)
+                    for j, part in enumerate(tf.unstack(gathered, num=n)):
+                        out[i][j].append(part)
+        return out
+
+    for k in range(len(keys)):
+        wire.fed([p[k] for p in payloads], n - 1)
+    return _in_graph(launch, payloads)
+
+
+def _in_graph(launch, payloads):
+    """Eagerly, one device's collective would block before the next one launches, so
+    build them all into one function; inside a graph, just build them."""
+    if tf.executing_eagerly():
+        return tf.function(launch)(payloads)
+    return launch(payloads)
