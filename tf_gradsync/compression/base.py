@@ -172,3 +172,34 @@ def get(name: str | Compressor, **kwargs) -> Compressor:
         raise ValueError(f"compressor {name!r} got unknown arguments {unknown}; "
                          f"valid arguments: {params or 'none'}")
     return cls(**kwargs)
+
+
+class RoundCompressor(Compressor):
+    """A compressor whose payload is summed in several dependent rounds (PowerSGD).
+
+    The pipeline calls `first_round`, all-reduces its payload, hands the sum to
+    `next_round`, and so on until `next_round` returns `None` for the payload; then
+    `finish` turns the last sum into the reconstruction. Every round's payload is
+    summable. The compressor never communicates itself.
+    """
+
+    summable = True
+
+    @abc.abstractmethod
+    def first_round(self, x: tf.Tensor, ctx: Context) -> tuple[Payload, Any]:
+        """Returns the first payload and a local carry."""
+
+    @abc.abstractmethod
+    def next_round(self, reduced: Sequence[tf.Tensor], carry: Any,
+                   ctx: Context) -> tuple[Payload | None, Any]:
+        """Given the summed previous payload, returns the next payload (or None) and carry."""
+
+    @abc.abstractmethod
+    def finish(self, reduced: Sequence[tf.Tensor], carry: Any, ctx: Context) -> tf.Tensor:
+        """Given the last summed payload, returns the reconstruction (and updates state)."""
+
+    def compress(self, x, ctx):
+        raise TypeError(f"{type(self).__name__} is multi-round; the pipeline calls first_round")
+
+    def decompress(self, payload, meta):
+        raise TypeError(f"{type(self).__name__} is multi-round; the pipeline calls finish")
