@@ -2,6 +2,8 @@
 
 from tf_gradsync import algorithms, compression
 from tf_gradsync.bucketing import BucketPlan, plan_buckets
+from tf_gradsync.config import SyncConfig, load_config, parse_config
+from tf_gradsync.devices import logical_cpus
 from tf_gradsync.cross_device_ops import CompressedAllReduce
 
 __version__ = "0.1.0"
@@ -9,7 +11,11 @@ __version__ = "0.1.0"
 __all__ = [
     "BucketPlan",
     "CompressedAllReduce",
+    "SyncConfig",
     "algorithms",
     "compression",
+    "load_config",
+    "logical_cpus",
+    "parse_config",
     "plan_buckets",
 ]

@@ -7,7 +7,7 @@ from typing import Sequence
 import tensorflow as tf
 
 from tf_gradsync import _tf_compat, algorithms
-from tf_gradsync.compression import Compressor, get
+from tf_gradsync.compression import Compressor, RoundCompressor, get
 from tf_gradsync.pipeline import Pipeline
 from tf_gradsync.stats import Stats
 
@@ -28,6 +28,10 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
       bucket_bytes: largest bucket, in bytes of the input dtype; larger tensors get a
         bucket of their own.
       algorithm: "auto", "ring", "tree" or "collective" (TF collective ops).
+      error_feedback: wrap the compressor in `ErrorFeedback` (a residual per bucket and
+        replica, in float32 for 16/32-bit input: 4 bytes per gradient element per
+        replica). None (default): on for biased compressors, off for unbiased ones.
+        Compressors with their own memory (PowerSGD, DGC) refuse True.
       timeout_seconds: a collective whose peers do not arrive within this time fails
         instead of hanging (None: wait forever).
       name: name of the module (for checkpoints).
@@ -45,15 +49,15 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
     """
 
     def __init__(self, compression: str | Compressor = "none", *, bucket_bytes: int = 32 * 2**20,
-                 algorithm: str = "auto", timeout_seconds: float | None = None,
-                 name: str | None = None):
+                 algorithm: str = "auto", error_feedback: bool | None = None,
+                 timeout_seconds: float | None = None, name: str | None = None):
         tf.distribute.CrossDeviceOps.__init__(self)
         tf.Module.__init__(self, name=name or "compressed_all_reduce")
         if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be a positive integer, got {bucket_bytes!r}")
         if timeout_seconds is not None and not timeout_seconds > 0:
             raise ValueError(f"timeout_seconds must be positive or None, got {timeout_seconds!r}")
-        self._compressor = get(compression)
+        self._compressor = _with_error_feedback(get(compression), error_feedback)
         self._algorithm = algorithms.validate(algorithm)
         self._bucket_bytes = bucket_bytes
         self._stats = Stats()
@@ -123,3 +127,19 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
             for i, per_dest in zip(idx, reduced):
                 results[i] = _tf_compat.regroup_mirrored(per_dest)
         return results
+
+
+def _with_error_feedback(compressor: Compressor, error_feedback: bool | None) -> Compressor:
+    if error_feedback not in (None, True, False):
+        raise ValueError(f"error_feedback must be True, False or None, got {error_feedback!r}")
+    if error_feedback is False or (error_feedback is None and compressor.unbiased):
+        return compressor
+    from tf_gradsync.compression.error_feedback import ErrorFeedback
+    if isinstance(compressor, ErrorFeedback):
+        return compressor
+    own = isinstance(compressor, RoundCompressor) or getattr(compressor, "has_own_memory", False)
+    if error_feedback and own:
+        raise ValueError(f"{compressor!r} keeps its own error memory; leave error_feedback unset")
+    if error_feedback is None:
+        error_feedback = not compressor.unbiased and not own
+    return ErrorFeedback(compressor) if error_feedback else compressor

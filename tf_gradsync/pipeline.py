@@ -18,9 +18,11 @@ import tensorflow as tf
 from tf_gradsync import _tf_compat, algorithms
 from tf_gradsync.algorithms import Wire
 from tf_gradsync.bucketing import Bucket, BucketPlan, plan_buckets
-from tf_gradsync.compression import Compressor, Context, NoCompression
+from tf_gradsync.compression import Compressor, Context, NoCompression, RoundCompressor
 from tf_gradsync.stats import Stats
 
+#: Name scope of every op on the data path (pack .. unpack), e.g. for graph checks.
+SCOPE = "gradsync"
 SUM = tf.distribute.ReduceOp.SUM
 MEAN = tf.distribute.ReduceOp.MEAN
 
@@ -57,6 +59,8 @@ class Pipeline:
         Returns:
           For each value, the list of results, one per destination device.
         """
+        if isinstance(reduce_op, str) and reduce_op.upper() in ("SUM", "MEAN"):
+            reduce_op = tf.distribute.ReduceOp(reduce_op.upper())
         if reduce_op not in (SUM, MEAN):
             raise ValueError(f"reduce_op must be ReduceOp.SUM or ReduceOp.MEAN, got {reduce_op!r}")
         src = tuple(values[0]._devices)  # pylint: disable=protected-access
@@ -81,19 +85,21 @@ class Pipeline:
             else:
                 groups["exact"].append(i)
 
-        for kind, compressor in (("compressed", self.compressor), ("exact", self._exact)):
-            idx = groups[kind]
-            if not idx:
-                continue
-            per_device = [[values[i].values[r] for i in idx] for r in range(n)]
-            per_dest, dense = self._bucketed(compressor, reduce_op, per_device, src, dests,
-                                             wire, step, timeout)
-            dense_bytes.append(dense)
-            for j, i in enumerate(idx):
-                results[i] = [per_dest[k][j] for k in range(len(dests))]
-        for i in groups["sparse"]:
-            results[i], dense = self._gather_slices(reduce_op, values[i].values, src, dests, wire)
-            dense_bytes.append(dense)
+        with tf.name_scope(SCOPE):
+            for kind, compressor in (("compressed", self.compressor), ("exact", self._exact)):
+                idx = groups[kind]
+                if not idx:
+                    continue
+                per_device = [[values[i].values[r] for i in idx] for r in range(n)]
+                per_dest, dense = self._bucketed(compressor, reduce_op, per_device, src, dests,
+                                                 wire, step, timeout)
+                dense_bytes.append(dense)
+                for j, i in enumerate(idx):
+                    results[i] = [per_dest[k][j] for k in range(len(dests))]
+            for i in groups["sparse"]:
+                results[i], dense = self._gather_slices(reduce_op, values[i].values, src, dests,
+                                                        wire)
+                dense_bytes.append(dense)
 
         dense_total = tf.add_n(dense_bytes) if dense_bytes else tf.constant(0, tf.int64)
         self.stats.record(wire.bytes() // n, dense_total // n, count_step=bool(groups["compressed"]))
@@ -142,18 +148,23 @@ class Pipeline:
         n = len(src)
         seed = tf.stack([tf.cast(step, tf.int64),
                          tf.constant(int(plan.fingerprint, 16) + bucket.id, tf.int64)])
-        payloads, metas = [], []
+        payloads, metas, ctxs = [], [], []
         for r, d in enumerate(src):
             with tf.device(d), tf.name_scope("compress"):
                 x = xs[r]
                 compressor.check_input(x)
                 if compressor.prescale:
                     x = x * tf.cast(1.0 / n, x.dtype)
-                ctx = Context(state=self._state_for(compressor, plan, bucket, r, d),
-                              step=step, seed=seed, num_replicas=n)
-                payload, meta = compressor.compress(x, ctx)
+                ctxs.append(Context(state=self._state_for(compressor, plan, bucket, r, d),
+                                    step=step, seed=seed, num_replicas=n))
+                first = compressor.first_round if isinstance(compressor, RoundCompressor) \
+                    else compressor.compress
+                payload, meta = first(x, ctxs[r])
             payloads.append(list(payload))
             metas.append(meta)
+        if isinstance(compressor, RoundCompressor):
+            return self._rounds(compressor, reduce_op, payloads, metas, ctxs, src, dests, wire,
+                                timeout)
         exchanged = self._exchange(payloads, src, compressor.summable, wire, timeout)
         outputs = []
         for d in dests:
@@ -170,6 +181,29 @@ class Pipeline:
                     y = parts[0] if len(parts) == 1 else tf.add_n(parts)
                 outputs.append(_finish(y, reduce_op, n, compressor.prescale))
         return outputs
+
+    def _rounds(self, compressor: RoundCompressor, reduce_op, payloads, carries, ctxs,
+                src: tuple[str, ...], dests: tuple[str, ...], wire: Wire, timeout: float):
+        """Runs a multi-round compressor: all-reduce each round's payload, then finish."""
+        n = len(src)
+        while True:
+            reduced = self._exchange(payloads, src, True, wire, timeout)
+            nxt = []
+            for r, d in enumerate(src):
+                with tf.device(d), tf.name_scope("next_round"):
+                    payload, carries[r] = compressor.next_round(reduced[r], carries[r], ctxs[r])
+                nxt.append(payload)
+            if all(p is None for p in nxt):
+                break
+            payloads = [list(p) for p in nxt]
+        finished = []
+        for r, d in enumerate(src):
+            with tf.device(d), tf.name_scope("finish"):
+                finished.append(_finish(compressor.finish(reduced[r], carries[r], ctxs[r]),
+                                        reduce_op, n, compressor.prescale))
+        # A destination outside the ring receives the reconstruction: the carry that
+        # finishing needs is local to each replica.
+        return [finished[src.index(d)] if d in src else wire.send(finished[0], d) for d in dests]
 
     def _exchange(self, payloads: list[list[tf.Tensor]], devices: tuple[str, ...],
                   summable: bool, wire: Wire, timeout: float) -> list:

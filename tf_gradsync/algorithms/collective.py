@@ -77,8 +77,10 @@ def all_reduce(payloads: DevicePayloads, devices: Sequence[str], wire: Wire,
         for k, ikey in enumerate(keys):
             for i, d in enumerate(devices):
                 with tf.device(d):
+                    # identity: an input that lives elsewhere (an eager value built on
+                    # another device) is moved first, or the runtime waits forever.
                     out[i].append(_tf_compat.collective_all_reduce(
-                        payloads[i][k], n, gkey, ikey, ordering_token(d), timeout))
+                        tf.identity(payloads[i][k]), n, gkey, ikey, ordering_token(d), timeout))
         return out
 
     for k in range(len(keys)):
@@ -103,7 +105,8 @@ def all_gather(payloads: DevicePayloads, devices: Sequence[str], wire: Wire,
             for i, d in enumerate(devices):
                 with tf.device(d):
                     gathered = _tf_compat.collective_all_gather(
-                        tf.expand_dims(payloads[i][k], 0), n, gkey, ikey, ordering_token(d), timeout)
+                        tf.expand_dims(tf.identity(payloads[i][k]), 0), n, gkey, ikey,
+                        ordering_token(d), timeout)
                     for j, part in enumerate(tf.unstack(gathered, num=n)):
                         out[i][j].append(part)
         return out

@@ -5,8 +5,20 @@ from tf_gradsync.compression.base import (Compressor, Context, RoundCompressor, 
 # Importing the modules registers their compressors.
 from tf_gradsync.compression.none import NoCompression
 from tf_gradsync.compression.cast import BFloat16, Float16
+from tf_gradsync.compression.dgc import DGC
+from tf_gradsync.compression.error_feedback import ErrorFeedback
+from tf_gradsync.compression.int8 import Int8
+from tf_gradsync.compression.onebit import OneBit
+from tf_gradsync.compression.powersgd import PowerSGD
+from tf_gradsync.compression.qsgd import QSGD
+from tf_gradsync.compression.randomk import RandomK
+from tf_gradsync.compression.sign import Sign
+from tf_gradsync.compression.terngrad import TernGrad
+from tf_gradsync.compression.threshold import Threshold
+from tf_gradsync.compression.topk import TopK
 
 __all__ = [
-    "BFloat16", "Compressor", "Context", "Float16", "NoCompression", "RoundCompressor", "StateSpec",
-    "get", "names", "nbytes", "register",
+    "BFloat16", "Compressor", "Context", "DGC", "ErrorFeedback", "Float16", "Int8", "NoCompression",
+    "OneBit", "PowerSGD", "QSGD", "RandomK", "RoundCompressor", "Sign", "StateSpec", "TernGrad",
+    "Threshold", "TopK", "get", "names", "nbytes", "register",
 ]

@@ -77,6 +77,7 @@ class Compressor(abc.ABC):
     unbiased: ClassVar[bool] = True
     prescale: ClassVar[bool] = False
     floating_only: ClassVar[bool] = True
+    has_own_memory: ClassVar[bool] = False
 
     def state_spec(self, numel: int, dtype: tf.DType) -> dict[str, StateSpec]:
         """State this compressor keeps per bucket and replica (none by default)."""

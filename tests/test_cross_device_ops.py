@@ -1,0 +1,264 @@
+"""CompressedAllReduce against TensorFlow's ReductionToOneDevice, on 4 logical CPUs."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_gradsync as gs
+from tf_gradsync.pipeline import SCOPE
+
+SUM, MEAN = tf.distribute.ReduceOp.SUM, tf.distribute.ReduceOp.MEAN
+SHAPES = [(3, 5), (7,), (), (1, 1, 2), (33, 2), (0, 4)]
+TOL = {tf.float16: 2e-2, tf.bfloat16: 5e-2, tf.float32: 1e-5, tf.float64: 1e-12}
+
+
+def per_replica(strategy, shape, dtype, seed):
+    def fn(ctx):
+        rng = np.random.default_rng(seed * 10 + ctx.replica_id_in_sync_group)
+        with tf.device(strategy.extended.worker_devices[ctx.replica_id_in_sync_group]):
+            return tf.identity(tf.cast(rng.normal(size=shape), dtype))
+    return strategy.experimental_distribute_values_from_function(fn)
+
+
+def results(value):
+    return [np.asarray(tf.cast(v, tf.float64)) for v in
+            (value.values if isinstance(value, tf.distribute.DistributedValues) else [value])]
+
+
+def assert_close(got, want, dtype, scale=1.0):
+    rel = TOL[dtype]
+    for g, w in zip(results(got), results(want)):
+        np.testing.assert_allclose(g, w, rtol=rel, atol=rel * scale)
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "tree", "collective", "auto"])
+@pytest.mark.parametrize("reduce_op", [SUM, MEAN])
+@pytest.mark.parametrize("bucket_bytes", [16, 1 << 20])
+def test_none_matches_reduction_to_one_device(devices, algorithm, reduce_op, bucket_bytes):
+    ops = gs.CompressedAllReduce("none", algorithm=algorithm, bucket_bytes=bucket_bytes)
+    strategy = tf.distribute.MirroredStrategy(devices, cross_device_ops=ops)
+    dtypes = [tf.float32, tf.float64, tf.float16, tf.bfloat16]
+    values = [per_replica(strategy, s, dtypes[i % 4], i) for i, s in enumerate(SHAPES * 2)]
+    got = ops.batch_reduce(reduce_op, [(v, v) for v in values])
+    want = tf.distribute.ReductionToOneDevice().batch_reduce(reduce_op, [(v, v) for v in values])
+    for g, w, v in zip(got, want, values):
+        dtype = v.values[0].dtype
+        assert all(x.dtype == dtype for x in g.values), "results keep their dtype"
+        assert [x.device for x in g.values] == [x.device for x in v.values]
+        assert_close(g, w, dtype, scale=4)
+
+
+@pytest.mark.parametrize("compression", ["fp16", "bf16"])
+@pytest.mark.parametrize("algorithm", ["ring", "tree", "collective"])
+def test_half_precision_within_dtype_tolerance(devices, compression, algorithm):
+    ops = gs.CompressedAllReduce(compression, algorithm=algorithm, bucket_bytes=256)
+    strategy = tf.distribute.MirroredStrategy(devices, cross_device_ops=ops)
+    values = [per_replica(strategy, s, tf.float32, i) for i, s in enumerate(SHAPES)]
+    for op in (SUM, MEAN):
+        got = ops.batch_reduce(op, [(v, v) for v in values])
+        want = tf.distribute.ReductionToOneDevice().batch_reduce(op, [(v, v) for v in values])
+        wire = tf.float16 if compression == "fp16" else tf.bfloat16
+        for g, w in zip(got, want):
+            assert all(x.dtype == tf.float32 for x in g.values)
+            assert_close(g, w, wire, scale=4)
+
+
+def test_fp16_sums_do_not_overflow(devices):
+    # 4 x 40000 = 160000 overflows float16 (max 65504) unless scaled before the cast.
+    ops = gs.CompressedAllReduce("fp16")
+    strategy = tf.distribute.MirroredStrategy(devices, cross_device_ops=ops)
+    v = strategy.experimental_distribute_values_from_function(lambda ctx: tf.fill([8], 40000.0))
+    (got,) = ops.batch_reduce(SUM, [(v, v)])
+    for x in got.values:
+        np.testing.assert_allclose(x.numpy(), 160000.0, rtol=1e-3)
+
+
+def test_indexed_slices_are_gathered_not_densified(devices):
+    ops = gs.CompressedAllReduce("fp16")
+    strategy = tf.distribute.MirroredStrategy(devices, cross_device_ops=ops)
+
+    def fn(ctx):
+        r = ctx.replica_id_in_sync_group
+        return tf.IndexedSlices(tf.fill([2, 3], float(r + 1)), tf.constant([r, 5]), tf.constant([10, 3]))
+    v = strategy.experimental_distribute_values_from_function(fn)
+    for op in (SUM, MEAN):
+        (got,) = ops.batch_reduce(op, [(v, v)])
+        (want,) = tf.distribute.ReductionToOneDevice().batch_reduce(op, [(v, v)])
+        for g in got.values:
+            assert isinstance(g, tf.IndexedSlices) and g.values.shape[0] == 8
+            np.testing.assert_allclose(tf.convert_to_tensor(g).numpy(),
+                                       tf.convert_to_tensor(want.values[0]).numpy(), rtol=1e-6)
+
+
+def test_destinations_that_differ_from_sources(devices):
+    ops = gs.CompressedAllReduce("fp16")
+    strategy = tf.distribute.MirroredStrategy(devices[:2], cross_device_ops=ops)
+    v = per_replica(strategy, (6, 3), tf.float32, 7)
+    want = tf.distribute.ReductionToOneDevice().reduce(SUM, v, devices[0])
+    for dest in (devices[0], devices[3], "/cpu:2"):
+        (got,) = ops.batch_reduce(SUM, [(v, dest)])
+        assert not isinstance(got, tf.distribute.DistributedValues)
+        assert tf.DeviceSpec.from_string(got.device).device_index == int(dest[-1])
+        assert_close(got, want, tf.float16, scale=4)
+    # Several destinations, one outside the sources.
+    with tf.device(devices[1]):
+        var_devices = tf.distribute.MirroredStrategy([devices[1], devices[3]])
+    with var_devices.scope():
+        var = tf.Variable(tf.zeros([6, 3]))
+    (got,) = ops.batch_reduce(MEAN, [(v, var)])
+    assert [tf.DeviceSpec.from_string(x.device).device_index for x in got.values] == [1, 3]
+    for x in got.values:
+        np.testing.assert_allclose(x.numpy(), want.numpy() / 2, rtol=2e-2, atol=2e-2)
+
+
+def test_one_device_strategy(devices):
+    ops = gs.CompressedAllReduce("fp16")
+    strategy = tf.distribute.MirroredStrategy(devices[:1], cross_device_ops=ops)
+    v = per_replica(strategy, (4,), tf.float32, 3)
+    (same,) = ops.batch_reduce(SUM, [(v, v)])
+    np.testing.assert_array_equal(results(same)[0], results(v)[0])
+    (moved,) = ops.batch_reduce(MEAN, [(v, devices[2])])
+    assert moved.device.endswith("CPU:2")
+    np.testing.assert_allclose(results(moved)[0], results(v)[0], rtol=1e-3)
+
+    @tf.function
+    def step():
+        return strategy.run(lambda: tf.distribute.get_replica_context().all_reduce(
+            SUM, tf.constant([1.0, 2.0])))
+    np.testing.assert_array_equal(step().numpy(), [1.0, 2.0])
+
+
+def test_single_value_reductions_are_exact(devices):
+    # Metrics and strategy.reduce are not gradients: never compressed.
+    ops = gs.CompressedAllReduce("fp16")
+    strategy = tf.distribute.MirroredStrategy(devices, cross_device_ops=ops)
+    v = per_replica(strategy, (5,), tf.float32, 11)
+    want = tf.distribute.ReductionToOneDevice().reduce(SUM, v, v)
+    got = ops.reduce(SUM, v, v)
+    for g, w in zip(results(got), results(want)):
+        np.testing.assert_allclose(g, w, rtol=1e-6)
+    total = strategy.reduce(SUM, v, axis=None)
+    np.testing.assert_allclose(total.numpy(), results(want)[0], rtol=1e-6)
+    ints = strategy.experimental_distribute_values_from_function(
+        lambda ctx: tf.constant([ctx.replica_id_in_sync_group], tf.int64))
+    np.testing.assert_array_equal(results(ops.reduce(SUM, ints, ints))[0], [6])
+
+
+def test_gather_and_broadcast(devices):
+    ops = gs.CompressedAllReduce("fp16")
+    strategy = tf.distribute.MirroredStrategy(devices, cross_device_ops=ops)
+    v = strategy.experimental_distribute_values_from_function(
+        lambda ctx: tf.fill([1, 2], float(ctx.replica_id_in_sync_group)))
+    got = strategy.gather(v, axis=0)
+    np.testing.assert_array_equal(got.numpy(), [[0, 0], [1, 1], [2, 2], [3, 3]])
+    b = ops.broadcast(tf.constant([1.5, 2.5]), v)
+    assert len(b.values) == 4 and all(np.allclose(x.numpy(), [1.5, 2.5]) for x in b.values)
+
+
+def test_repeated_calls_and_retracing_in_tf_function(devices):
+    ops = gs.CompressedAllReduce("none", bucket_bytes=64)
+    strategy = tf.distribute.MirroredStrategy(devices, cross_device_ops=ops)
+
+    @tf.function
+    def step(x):
+        def fn(x):
+            ctx = tf.distribute.get_replica_context()
+            r = tf.cast(ctx.replica_id_in_sync_group + 1, x.dtype)
+            a = ctx.all_reduce(SUM, [x * r, 2 * x * r])
+            b = ctx.all_reduce(MEAN, a[0] * r)
+            return a[1], b
+        return strategy.run(fn, args=(x,))
+
+    for shape in [(3,), (3,), (5, 2), (40,)]:
+        x = tf.ones(shape)
+        a1, b = step(x)
+        for t in strategy.experimental_local_results(a1):
+            np.testing.assert_allclose(t.numpy(), 20.0, rtol=1e-6)
+        for t in strategy.experimental_local_results(b):
+            np.testing.assert_allclose(t.numpy(), 25.0, rtol=1e-6)
+    assert step.experimental_get_tracing_count() == 3
+    assert ops.stats()["steps"] == 8
+
+
+@pytest.mark.parametrize("compression,ratio", [("none", 1.0), ("fp16", 2.0), ("bf16", 2.0)])
+def test_stats_count_payload_bytes(devices, compression, ratio):
+    ops = gs.CompressedAllReduce(compression, bucket_bytes=1 << 20, algorithm="ring")
+    strategy = tf.distribute.MirroredStrategy(devices, cross_device_ops=ops)
+    values = [per_replica(strategy, (1000,), tf.float32, 0), per_replica(strategy, (24,), tf.float32, 1)]
+    ops.batch_reduce(SUM, [(v, v) for v in values])
+    ops.batch_reduce(SUM, [(v, v) for v in values])
+    s = ops.stats()
+    dense = 2 * 3 * 1024 * 4 // 4         # ring: 2(N-1)/N of a 1024-float bucket per replica
+    assert s["steps"] == 2
+    assert s["last_bytes_dense"] == dense and s["bytes_dense"] == 2 * dense
+    assert s["last_bytes_sent"] == dense / ratio
+    assert s["compression_ratio"] == pytest.approx(ratio)
+    ops.reset_stats()
+    assert ops.stats()["bytes_sent"] == 0
+
+
+def _crossing_edges(graph):
+    """(tensor, src device, dst device) for edges into our ops that change device."""
+    def dev(d):
+        return tf.DeviceSpec.from_string(d).to_string() if d else ""
+    edges = []
+    for op in graph.get_operations():
+        if f"{SCOPE}/" not in op.name and not op.name.startswith(SCOPE):
+            continue
+        for t in op.inputs:
+            a, b = dev(t.op.device), dev(op.device)
+            if a and b and a != b:
+                edges.append((t, a, b))
+            if op.type in ("CollectiveReduceV2", "CollectiveGatherV2") and t is op.inputs[0]:
+                edges.append((t, b, "collective"))
+    return edges
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "tree", "collective"])
+def test_traced_graph_sends_float16_payloads(devices, algorithm):
+    ops = gs.CompressedAllReduce("fp16", algorithm=algorithm, bucket_bytes=4096)
+    strategy = tf.distribute.MirroredStrategy(devices, cross_device_ops=ops)
+    with strategy.scope():
+        model = tf.keras.Sequential([tf.keras.Input((8,)), tf.keras.layers.Dense(16),
+                                     tf.keras.layers.Dense(4)])
+        opt = tf.keras.optimizers.SGD(0.1)
+
+    @tf.function
+    def train_step(x):
+        def fn(x):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(model(x) ** 2)
+            grads = tape.gradient(loss, model.trainable_variables)
+            opt.apply_gradients(zip(grads, model.trainable_variables))
+        strategy.run(fn, args=(x,))
+
+    graph = train_step.get_concrete_function(tf.TensorSpec([2, 8])).graph
+    edges = _crossing_edges(graph)
+    assert edges, "the gradient all-reduce must move data between devices"
+    floats = [t for t, _, _ in edges if t.dtype.is_floating]
+    assert floats and all(t.dtype == tf.float16 for t in floats), \
+        {t.dtype.name for t in floats}
+    # Every float32 gradient element crosses only as half of its bytes.
+    others = [t for t, _, _ in edges if not t.dtype.is_floating]
+    assert all(t.shape.num_elements() is not None and t.shape.num_elements() <= 2 for t in others)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(algorithm="butterfly"), "unknown algorithm 'butterfly'; valid algorithms: auto, collective, ring, tree"),
+    (dict(bucket_bytes=0), "bucket_bytes must be a positive integer, got 0"),
+    (dict(bucket_bytes=-5), "got -5"),
+    (dict(compression="zip"), "unknown compressor 'zip'; valid names: .*fp16"),
+    (dict(timeout_seconds=-1), "timeout_seconds"),
+    (dict(error_feedback="yes"), "error_feedback"),
+])
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        gs.CompressedAllReduce(**kwargs)
+
+
+def test_non_floating_compressor_input():
+    c = gs.compression.get("fp16")
+    with pytest.raises(ValueError, match="needs floating input.*got int32"):
+        c.check_input(tf.constant([1, 2, 3]))
+    with pytest.raises(ValueError, match="unknown arguments"):
+        gs.compression.get("fp16", ratio=0.1)

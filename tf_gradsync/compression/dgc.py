@@ -1,0 +1,112 @@
+"""Deep Gradient Compression: sparse updates with momentum correction and masking.
+
+References:
+  Lin et al., "Deep Gradient Compression: Reducing the Communication Bandwidth for
+  Distributed Training", ICLR 2018.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import tensorflow as tf
+
+from tf_gradsync.compression import _util
+from tf_gradsync.compression.base import Compressor, Context, StateSpec, register
+
+
+@register("dgc")
+class DGC(Compressor):
+    """Accumulates momentum locally and sends only the largest accumulated entries.
+
+    Per step, with g the (optionally clipped) gradient: u = momentum * u + g (momentum
+    correction), v = v + u; the k largest |v| (sampled threshold, as in `threshold`)
+    are sent and zeroed in both u and v (momentum factor masking); the rest stays in
+    v. v already is the error memory, so do not wrap DGC in `ErrorFeedback`, and since
+    momentum is applied here, train with a momentum-free optimizer (plain SGD).
+
+    Clipping: g is clipped to L2 norm `clip_norm / sqrt(num_replicas)` (the paper's
+    local clipping) when `clip_norm` is set. Warm-up: the kept fraction decays
+    exponentially (continuously, per step) from `warmup_ratio` at step 0 to `ratio`
+    at `warmup_steps`. Because k then depends on the step, the payload length is
+    dynamic (always equal on every replica) when `warmup_steps > 0`; with the default
+    `warmup_steps=0` it is static. A fixed payload sized for the warm-up maximum was
+    rejected: it would keep sending `warmup_ratio` of the bucket (mostly padding)
+    for the rest of training.
+
+    Payload: `(values, indices)`, values in the input dtype and int32 indices, k
+    entries (padded with zeros at index 0): k * (itemsize + 4) bytes. All-gathered;
+    biased. A non-finite gradient sends NaN values and resets u and v to zero.
+
+    Args:
+      ratio: fraction of entries sent after warm-up, in (0, 1].
+      momentum: momentum factor, in [0, 1).
+      clip_norm: global L2 clipping norm (> 0), or None for no clipping.
+      warmup_steps: length of the warm-up in steps, an integer >= 0.
+      warmup_ratio: fraction sent at step 0, in [ratio, 1] (in (0, 1] if unused).
+      sample_ratio: fraction of the bucket sampled for the threshold, in (0, 1].
+
+    Raises:
+      ValueError: for an argument outside its range.
+
+    Example:
+      >>> c = tf_gradsync.compression.get("dgc", ratio=0.001, warmup_steps=1000)
+    """
+
+    summable = False
+    unbiased = False
+    has_own_memory = True
+
+    def __init__(self, ratio: float = 0.001, momentum: float = 0.9, clip_norm: float | None = None,
+                 warmup_steps: int = 0, warmup_ratio: float = 0.25, sample_ratio: float = 0.01):
+        _util.check_number("ratio", ratio, 0, 1, low_open=True)
+        _util.check_number("momentum", momentum, 0, 1)
+        if momentum == 1:
+            raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
+        if clip_norm is not None:
+            _util.check_number("clip_norm", clip_norm, 0, low_open=True)
+        _util.check_number("warmup_steps", warmup_steps, 0, integer=True)
+        _util.check_number("warmup_ratio", warmup_ratio, ratio if warmup_steps else 0, 1,
+                           low_open=not warmup_steps)
+        _util.check_number("sample_ratio", sample_ratio, 0, 1, low_open=True)
+        self.ratio, self.momentum, self.clip_norm = ratio, momentum, clip_norm
+        self.warmup_steps, self.warmup_ratio, self.sample_ratio = warmup_steps, warmup_ratio, sample_ratio
+
+    def state_spec(self, numel: int, dtype: tf.DType) -> dict[str, StateSpec]:
+        """Momentum `u` and accumulated velocity `v`, float32 (float64 for float64)."""
+        wd = _util.work_dtype(dtype)
+        return {"u": StateSpec((numel,), wd), "v": StateSpec((numel,), wd)}
+
+    def _k(self, n: int, step):
+        if self.warmup_steps == 0:
+            return _util.count(self.ratio, n)
+        t = tf.minimum(tf.cast(step, tf.float64) / self.warmup_steps, 1.0)
+        ratio = self.warmup_ratio * (self.ratio / self.warmup_ratio) ** t
+        return tf.cast(tf.clip_by_value(tf.math.ceil(ratio * n), 1, n), tf.int32)
+
+    def compress(self, x: tf.Tensor, ctx: Context):
+        """Returns `((values, int32 indices), (n, dtype))`; updates `u` and `v`."""
+        n, wd = _util.numel(x), _util.work_dtype(x.dtype)
+        u, v = ctx.state["u"], ctx.state["v"]
+        g = tf.cast(x, wd)
+        if self.clip_norm is not None:
+            g = tf.clip_by_norm(g, self.clip_norm / math.sqrt(ctx.num_replicas))
+        u_new = self.momentum * u + g
+        v_new = v + u_new
+        idx, valid = _util.select(tf.abs(v_new), self._k(n, ctx.step),
+                                  tf.convert_to_tensor(ctx.seed, tf.int64), self.sample_ratio)
+        values = tf.cast(tf.where(valid, tf.gather(v_new, idx), 0), x.dtype)
+        sent = _util.scatter(values, idx, n, wd)     # padding adds 0 at index 0
+        was_sent = _util.scatter(tf.cast(valid, wd), idx, n, wd) > 0
+        finite = tf.reduce_all(tf.math.is_finite(v_new))
+        # v keeps what the wire dtype rounded away; u is masked where sent.
+        u.assign(tf.where(finite & ~was_sent, u_new, 0))
+        v.assign(tf.where(finite, v_new - sent, 0))
+        bad = tf.where(finite, tf.constant(0, x.dtype), tf.constant(math.nan, x.dtype))
+        return (values + bad, idx), (n, x.dtype)
+
+    def decompress(self, payload: Sequence[tf.Tensor], meta) -> tf.Tensor:
+        """Scatters the values into zeros of the bucket's length and dtype."""
+        n, dtype = meta
+        return _util.scatter(payload[0], payload[1], n, dtype)

@@ -1,0 +1,67 @@
+"""Sampled-threshold sparsification: top-k without sorting the whole bucket.
+
+References:
+  Lin et al., "Deep Gradient Compression: Reducing the Communication Bandwidth for
+  Distributed Training", ICLR 2018 (Section 3, sampled threshold selection).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import tensorflow as tf
+
+from tf_gradsync.compression import _util
+from tf_gradsync.compression.base import Compressor, Context, register
+
+
+@register("threshold")
+class Threshold(Compressor):
+    """Sends k = max(1, ceil(ratio * n)) large entries found through a sampled threshold.
+
+    A random sample of `max(1000, sample_ratio * n)` magnitudes (stateless, seeded by
+    `ctx.seed`) gives the threshold that would keep about 2k entries of the bucket;
+    entries at or above it are candidates (a superset of the true top k, unless the
+    sample was unlucky). With more than k candidates the k
+    largest are kept; with fewer, the payload is padded with zero values at index 0
+    (harmless when summed), so it always has exactly k entries and replicas can be
+    all-gathered with equal shapes. Zeros are never sent. Buckets no larger than the
+    sample use an exact top-k. The result approximates `topk`, with the cost of a
+    top-k over the sample and the candidates instead of over the bucket.
+
+    Payload: `(values, indices)`, values in the input dtype, int32 indices:
+    k * (itemsize + 4) bytes. Biased. A non-finite input turns every sent value NaN.
+
+    Args:
+      ratio: fraction of entries kept, in (0, 1].
+      sample_ratio: fraction of the bucket sampled for the threshold, in (0, 1].
+
+    Raises:
+      ValueError: if `ratio` or `sample_ratio` is outside (0, 1].
+
+    Example:
+      >>> c = tf_gradsync.compression.get("threshold", ratio=0.001)
+    """
+
+    summable = False
+    unbiased = False
+
+    def __init__(self, ratio: float = 0.01, sample_ratio: float = 0.01):
+        _util.check_number("ratio", ratio, 0, 1, low_open=True)
+        _util.check_number("sample_ratio", sample_ratio, 0, 1, low_open=True)
+        self.ratio = ratio
+        self.sample_ratio = sample_ratio
+
+    def compress(self, x: tf.Tensor, ctx: Context):
+        """Returns `((values, int32 indices), (n, dtype))`."""
+        n = _util.numel(x)
+        mag = tf.abs(tf.cast(x, _util.work_dtype(x.dtype)))
+        idx, valid = _util.select(mag, _util.count(self.ratio, n),
+                                  tf.convert_to_tensor(ctx.seed, tf.int64), self.sample_ratio)
+        values = tf.where(valid, tf.gather(x, idx), tf.zeros([], x.dtype))
+        return (values + tf.cast(_util.poison(x), x.dtype), idx), (n, x.dtype)
+
+    def decompress(self, payload: Sequence[tf.Tensor], meta) -> tf.Tensor:
+        """Scatters the values into zeros (padding adds 0 at index 0)."""
+        n, dtype = meta
+        return _util.scatter(payload[0], payload[1], n, dtype)

@@ -1,0 +1,95 @@
+"""YAML presets -> a ready `CompressedAllReduce`.
+
+A preset looks like::
+
+    compression: topk
+    compression_options: {ratio: 0.01}
+    error_feedback: true
+    bucket_bytes: 33554432
+    algorithm: auto
+
+Files are read with `yaml.safe_load`: no Python objects are ever constructed from input.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Mapping
+
+import yaml
+
+from tf_gradsync import algorithms, compression
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncConfig:
+    """Validated settings of a `CompressedAllReduce`."""
+
+    compression: str = "none"
+    compression_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    error_feedback: bool | None = None
+    bucket_bytes: int = 32 * 2**20
+    algorithm: str = "auto"
+    timeout_seconds: float | None = None
+
+    def __post_init__(self):
+        if self.compression not in compression.names():
+            raise ValueError(f"unknown compression {self.compression!r}; valid names: "
+                             f"{', '.join(compression.names())}")
+        if not isinstance(self.compression_options, Mapping):
+            raise ValueError(f"compression_options must be a mapping, got {self.compression_options!r}")
+        if self.error_feedback not in (None, True, False):
+            raise ValueError(f"error_feedback must be true, false or null, got {self.error_feedback!r}")
+        if isinstance(self.bucket_bytes, bool) or not isinstance(self.bucket_bytes, int) \
+                or self.bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be a positive integer, got {self.bucket_bytes!r}")
+        algorithms.validate(self.algorithm)
+        if self.timeout_seconds is not None and not (
+                isinstance(self.timeout_seconds, (int, float)) and self.timeout_seconds > 0):
+            raise ValueError(f"timeout_seconds must be a positive number or null, "
+                             f"got {self.timeout_seconds!r}")
+
+    def build(self):
+        """Returns a `CompressedAllReduce` with these settings."""
+        from tf_gradsync.cross_device_ops import CompressedAllReduce
+        return CompressedAllReduce(
+            compression.get(self.compression, **dict(self.compression_options)),
+            error_feedback=self.error_feedback, bucket_bytes=self.bucket_bytes,
+            algorithm=self.algorithm, timeout_seconds=self.timeout_seconds)
+
+
+def parse_config(source: str | os.PathLike | Mapping[str, Any]) -> SyncConfig:
+    """Reads and validates a preset (a YAML path or a mapping).
+
+    Raises:
+      ValueError: for unknown keys (listing the valid ones) or bad values.
+      FileNotFoundError: for a missing file.
+    """
+    if isinstance(source, Mapping):
+        data = dict(source)
+    else:
+        with open(source, encoding="utf-8") as f:
+            data = yaml.safe_load(f) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{source}: a preset must be a YAML mapping, got {type(data).__name__}")
+    valid = [f.name for f in dataclasses.fields(SyncConfig)]
+    unknown = sorted(set(data) - set(valid))
+    if unknown:
+        raise ValueError(f"unknown config keys {unknown}; valid keys: {', '.join(valid)}")
+    return SyncConfig(**data)
+
+
+def load_config(source: str | os.PathLike | Mapping[str, Any]):
+    """Loads a preset and returns a ready `CompressedAllReduce`.
+
+    Args:
+      source: path of a YAML file (see `configs/`) or an equivalent mapping.
+
+    Returns:
+      A configured `tf_gradsync.CompressedAllReduce`.
+
+    Example:
+      >>> ops = tf_gradsync.load_config("configs/fp16.yaml")
+    """
+    return parse_config(source).build()
