@@ -5,12 +5,14 @@ from tf_gradsync.bucketing import BucketPlan, plan_buckets
 from tf_gradsync.config import SyncConfig, load_config, parse_config
 from tf_gradsync.devices import logical_cpus
 from tf_gradsync.cross_device_ops import CompressedAllReduce
+from tf_gradsync.strategy import MultiWorkerMirroredStrategy
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BucketPlan",
     "CompressedAllReduce",
+    "MultiWorkerMirroredStrategy",
     "SyncConfig",
     "algorithms",
     "compression",

@@ -11,6 +11,7 @@ from typing import Sequence
 
 import tensorflow as tf
 from tensorflow.python.distribute import cross_device_ops as _cross_device_ops
+from tensorflow.python.distribute import distribute_lib as _distribute_lib
 from tensorflow.python.distribute import distribute_utils as _distribute_utils
 from tensorflow.python.distribute import values as _values
 from tensorflow.python.ops import collective_ops as _collective_ops
@@ -49,6 +50,8 @@ def plain_variable(initial_value, *, name: str, device: str | None = None,
                                       trainable: bool = False) -> tf.Variable:
     """Creates an ordinary resource variable even inside a distribution-strategy scope.
 
+    `initial_value` may be a callable, evaluated outside any function being traced.
+
     State such as byte counters and error-feedback residuals belongs to one device; a
     strategy's variable creator would turn it into a mirrored variable. Constructing the
     concrete class directly bypasses the creator stack, and `init_scope` lifts creation out
@@ -56,6 +59,8 @@ def plain_variable(initial_value, *, name: str, device: str | None = None,
     """
     with tf.init_scope():
         with tf.device(device):
+            if callable(initial_value):
+                initial_value = initial_value()
             return _resource_variable_ops.ResourceVariable(
                     initial_value, name=name, trainable=trainable)
 
@@ -73,3 +78,29 @@ def collective_all_gather(t: tf.Tensor, group_size: int, group_key: int, instanc
     return _collective_ops.all_gather_v2(
         t, group_size=group_size, group_key=group_key, instance_key=instance_key,
         communication_hint="ring", timeout=timeout, ordering_token=ordering_token)
+
+
+def use_merge_call_for_all_reduce(extended) -> None:
+    """Makes a CollectiveAllReduceExtended send replica-context all-reduces through
+    merge_call -> batch_reduce, so that custom cross-device ops see every local replica
+    at once (TensorFlow otherwise calls CollectiveAllReduce._all_reduce per replica)."""
+    extended.__class__ = _merge_call_subclass(type(extended))
+
+
+_MERGE_CALL_CLASSES: dict = {}
+
+
+def _merge_call_subclass(cls):
+    if cls not in _MERGE_CALL_CLASSES:
+        def _use_merge_call(self):
+            return True
+
+        def _replica_ctx_all_reduce(self, reduce_op, value, options=None):
+            return _distribute_lib.StrategyExtendedV2._replica_ctx_all_reduce(  # pylint: disable=protected-access
+                self, reduce_op, value, options)
+
+        _MERGE_CALL_CLASSES[cls] = type(cls.__name__ + "WithMergeCall", (cls,), {
+            "_use_merge_call": _use_merge_call,
+            "_replica_ctx_all_reduce": _replica_ctx_all_reduce,
+        })
+    return _MERGE_CALL_CLASSES[cls]

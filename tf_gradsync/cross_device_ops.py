@@ -64,6 +64,25 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
         self._state = {}   # wrapped by tf.Module into a trackable dict: state is checkpointed
         self._pipeline = Pipeline(self._compressor, self._algorithm, bucket_bytes,
                                   self._stats, self._state, timeout_seconds or 0)
+        self._exact_ops = None
+
+    def join_cluster(self, num_workers: int, exact_ops: tf.distribute.CrossDeviceOps) -> None:
+        """Called by `tf_gradsync.MultiWorkerMirroredStrategy` when it adopts these ops.
+
+        Args:
+          num_workers: workers in the job, each with the same local devices.
+          exact_ops: the strategy's own collective ops, which keep serving everything
+            that is not a compressible gradient all-reduce (metrics, integers,
+            IndexedSlices, gathers, broadcasts) exactly.
+        """
+        if self._exact_ops is not None and self._exact_ops is not exact_ops:
+            raise ValueError("this CompressedAllReduce already belongs to another strategy")
+        self._pipeline.num_workers = num_workers
+        self._exact_ops = exact_ops
+
+    @property
+    def _num_between_graph_workers(self):
+        return self._pipeline.num_workers
 
     # ------------------------------------------------------------ introspection
     @property
@@ -91,18 +110,39 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
 
     # ------------------------------------------------------------ CrossDeviceOps
     def reduce_implementation(self, reduce_op, per_replica_value, destinations, options):
+        if self._exact_ops is not None:
+            return self._exact_ops.reduce_implementation(
+                reduce_op, per_replica_value, destinations, options)
         (result,) = self._run(reduce_op, [(per_replica_value, destinations)], options, compress=False)
         return result
 
     def batch_reduce_implementation(self, reduce_op, value_destination_pairs, options):
-        return self._run(reduce_op, value_destination_pairs, options, compress=True)
+        if self._exact_ops is None:
+            return self._run(reduce_op, value_destination_pairs, options, compress=True)
+        pairs = list(value_destination_pairs)
+        ours = [i for i, (v, d) in enumerate(pairs) if _compressible(v, d)]
+        rest = [i for i in range(len(pairs)) if i not in set(ours)]
+        results = [None] * len(pairs)
+        if ours:
+            for i, r in zip(ours, self._run(reduce_op, [pairs[i] for i in ours], options, True)):
+                results[i] = r
+        if rest:
+            exact = self._exact_ops.batch_reduce_implementation(
+                reduce_op, [pairs[i] for i in rest], options)
+            for i, r in zip(rest, exact):
+                results[i] = r
+        return results
 
     def broadcast_implementation(self, tensor, destinations):
+        if self._exact_ops is not None:
+            return self._exact_ops.broadcast_implementation(tensor, destinations)
         return _tf_compat.simple_broadcast(tensor, destinations, always_mirrored=True,
                                            canonicalize_devices=self._canonicalize_devices)
 
     def _gather_implementation(self, per_replica_value, destinations, axis, options):
-        del options
+        if self._exact_ops is not None:
+            return self._exact_ops._gather_implementation(  # pylint: disable=protected-access
+                per_replica_value, destinations, axis, options)
         per_replica_value = _tf_compat.to_per_replica(per_replica_value)
         src = per_replica_value._devices  # pylint: disable=protected-access
         out = []
@@ -143,3 +183,11 @@ def _with_error_feedback(compressor: Compressor, error_feedback: bool | None) ->
     if error_feedback is None:
         error_feedback = not compressor.unbiased and not own
     return ErrorFeedback(compressor) if error_feedback else compressor
+
+
+def _compressible(value, destinations) -> bool:
+    """A dense floating all-reduce (destinations are the value's own devices)."""
+    v = _tf_compat.to_per_replica(value)
+    first = v.values[0]
+    return (not isinstance(first, tf.IndexedSlices) and first.dtype.is_floating
+            and _tf_compat.devices_of(destinations) == tuple(v._devices))  # pylint: disable=protected-access

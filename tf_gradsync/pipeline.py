@@ -50,6 +50,9 @@ class Pipeline:
         self.timeout = timeout
         self._plans: dict[tuple, BucketPlan] = {}
         self._exact = NoCompression()
+        #: Workers taking part (set by a multi-worker strategy). Each has the same
+        #: number of local devices; with more than one, exchanges cross workers.
+        self.num_workers = 1
 
     # ----------------------------------------------------------------- entry point
     def reduce(self, reduce_op, values: Sequence, destinations: Sequence[str],
@@ -69,6 +72,9 @@ class Pipeline:
                 raise ValueError(f"all values must live on the same devices: {src} vs {v._devices}")  # pylint: disable=protected-access
         dests = tuple(destinations)
         n = len(src)
+        if self.num_workers > 1 and (not compress or dests != src):
+            raise ValueError("across workers only compressed all-reduces run here; exact "
+                             "reductions belong to the strategy's collective ops")
         wire = Wire()
         timeout = self.timeout if timeout is None else timeout
         step = self.stats.step_counter()
@@ -102,7 +108,8 @@ class Pipeline:
                 dense_bytes.append(dense)
 
         dense_total = tf.add_n(dense_bytes) if dense_bytes else tf.constant(0, tf.int64)
-        self.stats.record(wire.bytes() // n, dense_total // n, count_step=bool(groups["compressed"]))
+        self.stats.record(wire.bytes() // n, dense_total // n,
+                          count_step=bool(groups["compressed"]))
         return results  # type: ignore[return-value]
 
     # ----------------------------------------------------------------- stages
@@ -117,6 +124,7 @@ class Pipeline:
                   src: tuple[str, ...], dests: tuple[str, ...], wire: Wire, step: tf.Tensor,
                   timeout: float):
         n = len(src)
+        total = n * self.num_workers
         plan = self.plan([(t.shape, t.dtype) for t in per_device[0]])
         flats = []
         for r, d in enumerate(src):
@@ -132,10 +140,12 @@ class Pipeline:
                                        src, dests, wire, step, timeout)
             for k, y in enumerate(reduced):
                 out_flats[k].append(y)
-            # Reference: an uncompressed ring all-reduce (2(N-1)/N of the bucket per
-            # device), plus one dense copy per destination outside the ring.
+            # Reference, summed over local replicas: an uncompressed ring all-reduce over
+            # all replicas (2(T-1)/T of the bucket each), plus one dense copy per
+            # destination outside the ring.
             off_source = sum(d not in src for d in dests)
-            dense.append(tf.constant(b.nbytes * (2 * (n - 1) + off_source), tf.int64))
+            dense.append(tf.constant(b.nbytes * 2 * (total - 1) * n // total
+                                     + b.nbytes * off_source, tf.int64))
         per_dest = []
         for k, d in enumerate(dests):
             with tf.device(d), tf.name_scope("unpack"):
@@ -145,7 +155,7 @@ class Pipeline:
     def _bucket(self, compressor: Compressor, reduce_op, plan: BucketPlan, bucket: Bucket,
                 xs: list[tf.Tensor], src: tuple[str, ...], dests: tuple[str, ...], wire: Wire,
                 step: tf.Tensor, timeout: float) -> list[tf.Tensor]:
-        n = len(src)
+        n = len(src) * self.num_workers
         seed = tf.stack([tf.cast(step, tf.int64),
                          tf.constant(int(plan.fingerprint, 16) + bucket.id, tf.int64)])
         payloads, metas, ctxs = [], [], []
@@ -185,7 +195,7 @@ class Pipeline:
     def _rounds(self, compressor: RoundCompressor, reduce_op, payloads, carries, ctxs,
                 src: tuple[str, ...], dests: tuple[str, ...], wire: Wire, timeout: float):
         """Runs a multi-round compressor: all-reduce each round's payload, then finish."""
-        n = len(src)
+        n = len(src) * self.num_workers
         while True:
             reduced = self._exchange(payloads, src, True, wire, timeout)
             nxt = []
@@ -209,6 +219,8 @@ class Pipeline:
                   summable: bool, wire: Wire, timeout: float) -> list:
         """Runs the communication algorithm over one bucket's payloads."""
         n = len(devices)
+        if self.num_workers > 1:
+            return self._exchange_across_workers(payloads, devices, summable, wire, timeout)
         if n == 1:
             return [payloads[0]] if summable else [[payloads[0]]]
         static = [t.shape.num_elements() for t in payloads[0]]
@@ -219,6 +231,31 @@ class Pipeline:
             if summable:
                 return algo.all_reduce(payloads, devices, wire, **kwargs)
             return algo.all_gather(payloads, devices, wire, **kwargs)
+
+    def _exchange_across_workers(self, payloads, devices, summable, wire, timeout):
+        """Hierarchical for summable payloads: reduce among local devices, one compressed
+        exchange between workers' first devices, then a local broadcast. Gathered payloads
+        go through one all-gather over every device of every worker."""
+        n, workers = len(devices), self.num_workers
+        if not summable:
+            with tf.name_scope("collective"):
+                return algorithms.collective.all_gather(
+                    payloads, devices, wire, group_size=n * workers, timeout=timeout,
+                    role=("all", n, workers))
+        local = payloads
+        if n > 1:
+            local = self._exchange_local(payloads, devices, wire)
+        with tf.name_scope("collective"):
+            (leader,) = algorithms.collective.all_reduce(
+                [local[0]], devices[:1], wire, group_size=workers, timeout=timeout,
+                role=("leaders", workers))
+        return [leader] + [[wire.send(t, d) for t in leader] for d in devices[1:]]
+
+    def _exchange_local(self, payloads, devices, wire):
+        size = sum(t.shape.num_elements() * t.dtype.size for t in payloads[0])
+        algo = algorithms.choose(
+            "auto" if self.algorithm == "collective" else self.algorithm, size, len(devices))
+        return algo.all_reduce(payloads, devices, wire)
 
     def _gather_slices(self, reduce_op, slices: Sequence[tf.IndexedSlices], src, dests, wire):
         """All-gathers IndexedSlices to each destination (uncompressed, not densified)."""
@@ -244,7 +281,8 @@ class Pipeline:
             key = f"{compressor.name}_{plan.fingerprint}_b{bucket.id}_r{replica}_{name}"
             if key not in self.state:
                 self.state[key] = _tf_compat.plain_variable(
-                    spec.initializer(spec.shape, spec.dtype), name=key, device=device)
+                    lambda spec=spec: spec.initializer(spec.shape, spec.dtype), name=key,
+                    device=device)
             state[name] = self.state[key]
         return state
 

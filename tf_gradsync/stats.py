@@ -20,16 +20,26 @@ class Stats(tf.Module):
 
     def __init__(self):
         super().__init__(name="gradsync_stats")
-        for field in self._FIELDS:
-            setattr(self, field, _tf_compat.plain_variable(
-                tf.constant(0, tf.int64), name=field))
+        self._created = False
+
+    def _ensure(self) -> None:
+        # Created on first use, not in __init__: creating a variable initialises the
+        # TensorFlow runtime, after which a multi-worker strategy can no longer
+        # configure its collectives.
+        if not self._created:
+            for field in self._FIELDS:
+                setattr(self, field, _tf_compat.plain_variable(
+                    lambda: tf.constant(0, tf.int64), name=field))
+            self._created = True
 
     def step_counter(self) -> tf.Tensor:
         """Synchronisations completed so far (read before this step's increment)."""
+        self._ensure()
         return self.steps.read_value()
 
     def record(self, sent: tf.Tensor, dense: tf.Tensor, count_step: bool) -> None:
         """Adds one reduction's per-replica bytes (int64 scalars)."""
+        self._ensure()
         self.bytes_sent.assign_add(sent)
         self.bytes_dense.assign_add(dense)
         if count_step:
@@ -38,6 +48,7 @@ class Stats(tf.Module):
             self.last_bytes_dense.assign(dense)
 
     def reset(self) -> None:
+        self._ensure()
         for field in self._FIELDS:
             getattr(self, field).assign(0)
 
@@ -51,6 +62,7 @@ class Stats(tf.Module):
           `bytes_sent_per_step`, and `compression_ratio` (dense / sent; 1.0 before any
           traffic).
         """
+        self._ensure()
         out = {f: int(getattr(self, f).numpy()) for f in self._FIELDS}
         out["compression_ratio"] = (out["bytes_dense"] / out["bytes_sent"]
                                     if out["bytes_sent"] else 1.0)

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import itertools
 import threading
-from typing import Sequence
+import weakref
+import zlib
+from typing import Hashable, Sequence
 
 import tensorflow as tf
 
@@ -23,18 +25,17 @@ from tf_gradsync.algorithms._common import DevicePayloads, Wire
 _GROUP_KEY_BASE = 0x6A5000
 _INSTANCE_KEY_BASE = 0x6A5000
 _lock = threading.Lock()
-_group_keys: dict[tuple[str, ...], int] = {}
-_instance_keys = itertools.count(_INSTANCE_KEY_BASE)
+_instance_keys: "weakref.WeakKeyDictionary[tf.Graph, itertools.count]" = weakref.WeakKeyDictionary()
 _tokens: dict[str, tf.Variable] = {}
 
 
-def group_key(devices: Sequence[str]) -> int:
-    """A process-wide key per ordered device group, allocated in first-use order."""
-    with _lock:
-        key = tuple(devices)
-        if key not in _group_keys:
-            _group_keys[key] = _GROUP_KEY_BASE + len(_group_keys)
-        return _group_keys[key]
+def group_key(role: Hashable) -> int:
+    """A key for a group, derived from what the group is (e.g. `("leaders", 4)`).
+
+    Derived rather than allocated so that every worker computes the same key for the
+    same group whatever else it traced before.
+    """
+    return _GROUP_KEY_BASE + zlib.crc32(repr(role).encode()) % (1 << 20)
 
 
 def ordering_token(device: str) -> tf.Tensor:
@@ -46,18 +47,26 @@ def ordering_token(device: str) -> tf.Tensor:
     """
     with _lock:
         if device not in _tokens:
-            _tokens[device] = _tf_compat.plain_variable(0.0, name="ordering_token", device=device)
+            _tokens[device] = _tf_compat.plain_variable(lambda: tf.constant(0.0), name="ordering_token", device=device)
         return _tokens[device].handle
 
 
 def next_instance_key() -> int:
-    """A fresh key shared by the ops of one collective on all devices."""
+    """A fresh key shared by the ops of one collective on all devices and workers.
+
+    Counted per graph being built: every worker traces the same function the same way,
+    so the n-th collective of a function gets the same key everywhere.
+    """
+    graph = tf.compat.v1.get_default_graph()
     with _lock:
-        return next(_instance_keys)
+        if graph not in _instance_keys:
+            _instance_keys[graph] = itertools.count(_INSTANCE_KEY_BASE)
+        return next(_instance_keys[graph])
 
 
 def all_reduce(payloads: DevicePayloads, devices: Sequence[str], wire: Wire,
-               group_size: int | None = None, timeout: float = 0) -> list[list[tf.Tensor]]:
+               group_size: int | None = None, timeout: float = 0,
+               role: Hashable = None) -> list[list[tf.Tensor]]:
     """Sums payload tensors with CollectiveReduceV2; every device gets the sum.
 
     Args:
@@ -67,9 +76,10 @@ def all_reduce(payloads: DevicePayloads, devices: Sequence[str], wire: Wire,
       group_size: members of the collective group across all workers (default: the
         local devices).
       timeout: seconds before a collective whose peers are missing fails (0: never).
+      role: names the group across workers (default: these local devices).
     """
     n = group_size or len(devices)
-    gkey = group_key(devices)
+    gkey = group_key(role or ("local", tuple(devices)))
     keys = [next_instance_key() for _ in payloads[0]]
 
     def launch(payloads):
@@ -89,14 +99,15 @@ def all_reduce(payloads: DevicePayloads, devices: Sequence[str], wire: Wire,
 
 
 def all_gather(payloads: DevicePayloads, devices: Sequence[str], wire: Wire,
-               group_size: int | None = None, timeout: float = 0) -> list[list[list[tf.Tensor]]]:
+               group_size: int | None = None, timeout: float = 0,
+               role: Hashable = None) -> list[list[list[tf.Tensor]]]:
     """Gathers every member's payload with CollectiveGatherV2.
 
     Returns:
       Per local device, the list of all members' payloads in rank order.
     """
     n = group_size or len(devices)
-    gkey = group_key(devices)
+    gkey = group_key(role or ("local", tuple(devices)))
     keys = [next_instance_key() for _ in payloads[0]]
 
     def launch(payloads):

@@ -1,0 +1,195 @@
+"""Start N local TensorFlow workers with a correct TF_CONFIG each.
+
+    python -m tf_gradsync.launch --num_workers=2 -- examples/multiworker_digits.py --epochs=5
+
+Each worker is `python script.py [args]` in its own process group, with
+`TF_CONFIG={"cluster": {"worker": [...]}, "task": {"type": "worker", "index": i}}`.
+Output lines are prefixed with the worker's rank. If a worker exits non-zero the others
+are terminated and the launcher exits with that worker's code. Ctrl-C / SIGTERM are
+forwarded to every worker. TensorFlow installs its own SIGTERM handler, so a worker may
+ignore SIGTERM: after `--grace_seconds` the whole process group gets SIGKILL, and no
+process is ever left behind.
+
+For several machines, `--print_tf_config --hosts=h1,h2 --port=P` prints the TF_CONFIG to
+export on each host. Workers bind 127.0.0.1 unless `--hosts` says otherwise; TensorFlow's
+gRPC runtime is unauthenticated, so only expose it on networks you trust.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Sequence
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """Ports that were free a moment ago (held open together so they differ)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind((host, 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def tf_configs(addresses: Sequence[str]) -> list[dict]:
+    """One TF_CONFIG dict per worker for a cluster of `addresses` ("host:port")."""
+    return [{"cluster": {"worker": list(addresses)}, "task": {"type": "worker", "index": i}}
+            for i in range(len(addresses))]
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    """Parses and validates the launcher's command line.
+
+    Raises:
+      SystemExit: (via argparse) with a message naming the bad value and what is allowed.
+    """
+    p = argparse.ArgumentParser(prog="python -m tf_gradsync.launch", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--num_workers", type=int, required=True, help="workers to start (>= 1)")
+    p.add_argument("--port", type=int, default=None,
+                   help="first port; worker i uses port+i (default: free ports)")
+    p.add_argument("--hosts", default=None,
+                   help="comma-separated host per worker (default: 127.0.0.1 for all)")
+    p.add_argument("--print_tf_config", action="store_true",
+                   help="print each worker's TF_CONFIG and exit")
+    p.add_argument("--grace_seconds", type=float, default=10.0,
+                   help="wait this long after SIGTERM before SIGKILL (> 0)")
+    p.add_argument("--restarts", type=int, default=0,
+                   help="restart the whole job up to this many times after a failure")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- script.py [args]")
+    args = p.parse_args(argv)
+    if args.command and args.command[0] == "--":
+        args.command = args.command[1:]
+    if args.num_workers < 1:
+        p.error(f"--num_workers must be >= 1, got {args.num_workers}")
+    if args.port is not None and not 1 <= args.port <= 65535 - args.num_workers:
+        p.error(f"--port must be in 1..{65535 - args.num_workers}, got {args.port}")
+    if args.grace_seconds <= 0:
+        p.error(f"--grace_seconds must be > 0, got {args.grace_seconds}")
+    if args.restarts < 0:
+        p.error(f"--restarts must be >= 0, got {args.restarts}")
+    hosts = args.hosts.split(",") if args.hosts else ["127.0.0.1"] * args.num_workers
+    if len(hosts) != args.num_workers or not all(hosts):
+        p.error(f"--hosts must name {args.num_workers} non-empty hosts, got {args.hosts!r}")
+    args.hosts = hosts
+    if args.print_tf_config:
+        if args.port is None and args.hosts != ["127.0.0.1"] * args.num_workers:
+            p.error("--print_tf_config for remote hosts needs --port")
+    elif not args.command:
+        p.error("give the worker command after --, e.g. -- train.py --epochs=3")
+    return args
+
+
+class Job:
+    """A set of worker processes that live and die together."""
+
+    def __init__(self, command: Sequence[str], configs: Sequence[dict], grace_seconds: float,
+                 out=sys.stdout):
+        self.grace_seconds = grace_seconds
+        self._out = out
+        self._lock = threading.Lock()
+        self.procs: list[subprocess.Popen] = []
+        for rank, cfg in enumerate(configs):
+            env = dict(os.environ, TF_CONFIG=json.dumps(cfg), PYTHONUNBUFFERED="1")
+            proc = subprocess.Popen([sys.executable, *command], env=env, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+            self.procs.append(proc)
+        self._threads = [threading.Thread(target=self._pump, args=(r, p), daemon=True)
+                         for r, p in enumerate(self.procs)]
+        for t in self._threads:
+            t.start()
+
+    def _pump(self, rank: int, proc: subprocess.Popen) -> None:
+        for raw in iter(proc.stdout.readline, b""):
+            line = raw.decode(errors="replace").rstrip("\n")
+            with self._lock:
+                print(f"[{rank}] {line}", file=self._out, flush=True)
+
+    def wait(self) -> int:
+        """Waits until all workers exit 0 (-> 0) or one fails (-> its code, others stopped)."""
+        while True:
+            codes = [p.poll() for p in self.procs]
+            failed = [c for c in codes if c not in (None, 0)]
+            if failed:
+                self.stop()
+                return failed[0] if failed[0] > 0 else 128 - failed[0]
+            if all(c == 0 for c in codes):
+                self._drain()
+                return 0
+            time.sleep(0.1)
+
+    def signal(self, sig: int) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, sig)
+                except ProcessLookupError:
+                    pass
+
+    def stop(self) -> None:
+        """SIGTERM every process group, then SIGKILL after the grace period."""
+        self.signal(signal.SIGTERM)
+        deadline = time.monotonic() + self.grace_seconds
+        while time.monotonic() < deadline and any(p.poll() is None for p in self.procs):
+            time.sleep(0.05)
+        # Kill the groups even if the leader exited: its children may still run.
+        for p in self.procs:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            p.wait()
+        self._drain()
+
+    def _drain(self) -> None:
+        for t in self._threads:
+            t.join(timeout=5)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    n = args.num_workers
+    attempt = 0
+    while True:
+        ports = ([args.port + i for i in range(n)] if args.port is not None
+                 else free_ports(n))
+        configs = tf_configs([f"{h}:{p}" for h, p in zip(args.hosts, ports)])
+        if args.print_tf_config:
+            for h, cfg in zip(args.hosts, configs):
+                print(f"{h}: TF_CONFIG='{json.dumps(cfg)}'")
+            return 0
+        job = Job(args.command, configs, args.grace_seconds)
+        received = []
+
+        def forward(signum, frame, job=job):
+            received.append(signum)
+            job.stop()
+        old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            code = job.wait()
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+        if received:
+            return 128 + received[0]
+        if code == 0 or attempt >= args.restarts:
+            return code
+        attempt += 1
+        print(f"[launch] worker failed with exit code {code}; restart {attempt}/{args.restarts}",
+              file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
