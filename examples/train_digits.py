@@ -16,13 +16,17 @@ import sys
 
 from absl import app, flags
 
-flags.DEFINE_string("compression", "fp16", "Registered compressor name.")
-flags.DEFINE_string("config", None, "YAML preset (overrides --compression).")
-flags.DEFINE_integer("devices", 4, "Logical CPU devices (replicas).")
-flags.DEFINE_integer("epochs", 30, "Training epochs.")
-flags.DEFINE_integer("batch_size", 64, "Global batch size.")
-flags.DEFINE_integer("seed", 0, "Random seed.")
 FLAGS = flags.FLAGS
+
+
+def define_flags():
+    # Defined only when run as a program: other examples import this module.
+    flags.DEFINE_string("compression", "fp16", "Registered compressor name.")
+    flags.DEFINE_string("config", None, "YAML preset (overrides --compression).")
+    flags.DEFINE_integer("devices", 4, "Logical CPU devices (replicas).")
+    flags.DEFINE_integer("epochs", 30, "Training epochs.")
+    flags.DEFINE_integer("batch_size", 64, "Global batch size.")
+    flags.DEFINE_integer("seed", 0, "Random seed.")
 
 
 def load_data(seed: int = 0):
@@ -81,4 +85,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    define_flags()
     sys.exit(app.run(main))

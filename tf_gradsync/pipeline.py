@@ -187,7 +187,9 @@ class Pipeline:
                 if compressor.summable:
                     y = compressor.decompress(got, metas[k])
                 else:
-                    parts = [compressor.decompress(p, metas[j]) for j, p in enumerate(got)]
+                    # Metadata is identical on every replica (part of the contract), so
+                    # the local one also decodes payloads from other workers.
+                    parts = [compressor.decompress(p, metas[k]) for p in got]
                     y = parts[0] if len(parts) == 1 else tf.add_n(parts)
                 outputs.append(_finish(y, reduce_op, n, compressor.prescale))
         return outputs

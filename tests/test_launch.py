@@ -1,0 +1,95 @@
+"""The launcher: TF_CONFIG, output prefixes, exit codes, signals, flag validation."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tf_gradsync import launch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = dict(os.environ, PYTHONPATH=ROOT)
+
+
+def run(args, timeout=60):
+    return subprocess.run([sys.executable, "-m", "tf_gradsync.launch", *args], env=ENV,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_each_worker_gets_its_tf_config_and_a_rank_prefix(tmp_path):
+    script = tmp_path / "w.py"
+    script.write_text("import os, json; c = json.loads(os.environ['TF_CONFIG']);"
+                      "print(c['task']['index'], len(c['cluster']['worker']), "
+                      "c['cluster']['worker'][c['task']['index']])")
+    out = run(["--num_workers=3", "--", str(script)])
+    assert out.returncode == 0, out.stderr
+    lines = sorted(out.stdout.splitlines())
+    assert [l.split()[:3] for l in lines] == [["[0]", "0", "3"], ["[1]", "1", "3"], ["[2]", "2", "3"]]
+    addrs = [l.split()[3] for l in lines]
+    assert len(set(addrs)) == 3 and all(a.startswith("127.0.0.1:") for a in addrs)
+
+
+def test_failure_stops_the_others_and_returns_its_code(tmp_path):
+    script = tmp_path / "w.py"
+    # Worker 1 fails; worker 0 ignores SIGTERM (as TensorFlow workers may) and would
+    # sleep for ten minutes: it must be killed after the grace period.
+    script.write_text((
+        "import os, json, signal, time, sys\n"
+        "r = json.loads(os.environ['TF_CONFIG'])['task']['index']\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "print('pid', os.getpid(), flush=True)\n"
+        "time.sleep(0.5)\n"
+        "sys.exit(7) if r == 1 else time.sleep(600)\n"))
+    start = time.monotonic()
+    out = run(["--num_workers=2", "--grace_seconds=1", "--", str(script)])
+    assert out.returncode == 7
+    assert time.monotonic() - start < 30
+    pids = [int(l.split()[-1]) for l in out.stdout.splitlines() if " pid " in l]
+    assert len(pids) == 2
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_sigterm_is_forwarded(tmp_path):
+    script = tmp_path / "w.py"
+    script.write_text("import time; print('up', flush=True); time.sleep(600)")
+    proc = subprocess.Popen([sys.executable, "-m", "tf_gradsync.launch", "--num_workers=2",
+                             "--grace_seconds=1", "--", str(script)], env=ENV,
+                            stdout=subprocess.PIPE, text=True)
+    seen = 0
+    while seen < 2:
+        seen += "up" in proc.stdout.readline()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+
+
+def test_print_tf_config_for_hosts():
+    out = run(["--num_workers=2", "--hosts=a,b", "--port=2222", "--print_tf_config"])
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    cfg = json.loads(lines[1].split("TF_CONFIG=", 1)[1].strip("'"))
+    assert cfg == {"cluster": {"worker": ["a:2222", "b:2223"]}, "task": {"type": "worker", "index": 1}}
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--num_workers=0", "--", "x.py"], "--num_workers must be >= 1, got 0"),
+    (["--num_workers=2", "--port=70000", "--", "x.py"], "--port must be in 1..65533, got 70000"),
+    (["--num_workers=2", "--hosts=a", "--", "x.py"], "--hosts must name 2 non-empty hosts, got 'a'"),
+    (["--num_workers=2", "--grace_seconds=0", "--", "x.py"], "--grace_seconds must be > 0"),
+    (["--num_workers=2"], "give the worker command after --"),
+])
+def test_bad_flags(args, message, capsys):
+    with pytest.raises(SystemExit):
+        launch.parse_args(args)
+    assert message in capsys.readouterr().err
+
+
+def test_tf_configs():
+    cfgs = launch.tf_configs(["h:1", "h:2"])
+    assert cfgs[0]["task"] == {"type": "worker", "index": 0}
+    assert cfgs[1]["cluster"]["worker"] == ["h:1", "h:2"]

@@ -1,0 +1,132 @@
+"""Multi-worker training on localhost: worker processes started by tf_gradsync.launch."""
+
+import glob
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import multiworker_digits  # examples/multiworker_digits.py
+import train_digits
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLE = os.path.join(ROOT, "examples", "multiworker_digits.py")
+PARAMS = (64 * 128 + 128) + (128 * 64 + 64) + (64 * 10 + 10)   # the digits MLP
+
+
+def launch(tmp_path, workers, *args, env=None, timeout=600):
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "tf_gradsync.launch", f"--num_workers={workers}",
+           "--grace_seconds=3", "--", EXAMPLE, f"--out={out}", *args]
+    full_env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2", **(env or {}))
+    start = time.monotonic()
+    proc = subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout)
+    return proc, out, time.monotonic() - start
+
+
+def results(out, workers):
+    weights = [list(np.load(out / f"weights_{r}.npz").values()) for r in range(workers)]
+    res = [json.loads((out / f"result_{r}.json").read_text()) for r in range(workers)]
+    return weights, res
+
+
+def assert_same_weights(weights):
+    for other in weights[1:]:
+        for a, b in zip(weights[0], other):
+            np.testing.assert_array_equal(a, b)
+
+
+@pytest.fixture(scope="module")
+def none_2workers(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("none2")
+    proc, out, _ = launch(tmp, 2, "--compression=none", "--epochs=20")
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    return results(out, 2)
+
+
+@pytest.mark.slow
+def test_keras3_fit_none_two_workers(none_2workers):
+    weights, res = none_2workers
+    assert_same_weights(weights)
+    stats = res[0]["stats"]
+    # One bucket of every gradient; a 2-member ring sends 2(N-1)/N = 1x the bucket.
+    assert stats["last_bytes_sent"] == stats["last_bytes_dense"] == PARAMS * 4
+    assert stats["steps"] == 20 * 23
+    assert res[0]["accuracy"] >= 0.95
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("compression,options,ratio", [
+    ("fp16", "{}", 2.0),
+    ("topk", '{"ratio": 0.05}', None),
+    ("powersgd", '{"rank": 4}', None),
+])
+def test_keras3_fit_compressed_two_workers(tmp_path, none_2workers, compression, options, ratio):
+    proc, out, _ = launch(tmp_path, 2, f"--compression={compression}",
+                          f"--compression_options={options}", "--epochs=20")
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    weights, res = results(out, 2)
+    assert_same_weights(weights)
+    stats = res[0]["stats"]
+    assert res[1]["stats"] == stats
+    assert stats["last_bytes_dense"] == PARAMS * 4
+    if ratio:
+        assert stats["compression_ratio"] == pytest.approx(ratio)
+    else:
+        assert stats["compression_ratio"] > 4
+    assert res[0]["accuracy"] >= none_2workers[1][0]["accuracy"] - 0.02
+
+
+@pytest.mark.slow
+def test_keras3_fit_three_workers(tmp_path):
+    # A global batch divisible by the replica count: Keras builds the model from a
+    # cross-worker mean of the first batch, which needs equal shapes on every worker.
+    proc, out, _ = launch(tmp_path, 3, "--compression=fp16", "--epochs=10", "--batch_size=63")
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    weights, res = results(out, 3)
+    assert_same_weights(weights)
+    # fp16 halves a 3-member ring's 2(N-1)/N of the bucket.
+    assert res[0]["stats"]["last_bytes_sent"] == PARAMS * 4 * 4 // 3 // 2
+    assert res[0]["accuracy"] >= 0.9
+
+
+@pytest.mark.slow
+def test_custom_loop_matches_single_process_mirrored(tmp_path, devices):
+    proc, out, _ = launch(tmp_path, 2, "--compression=none", "--loop=custom", "--epochs=2")
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    weights, _ = results(out, 2)
+    assert_same_weights(weights)
+    strategy = tf.distribute.MirroredStrategy(devices[:2])
+    x_train, _, y_train, _ = train_digits.load_data(0)
+    with strategy.scope():
+        model = train_digits.build_model(tf.keras, 0)
+    multiworker_digits.custom_loop(strategy, model, x_train, y_train, 2, 64)
+    for got, want in zip(weights[0], model.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_tf_keras_two_workers(tmp_path):
+    proc, out, _ = launch(tmp_path, 2, "--compression=fp16", "--epochs=10",
+                          env={"TF_USE_LEGACY_KERAS": "1"})
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    weights, res = results(out, 2)
+    assert_same_weights(weights)
+    assert res[0]["stats"]["compression_ratio"] == pytest.approx(2.0)
+    assert res[0]["accuracy"] >= 0.9
+
+
+@pytest.mark.slow
+def test_dead_worker_fails_the_job_in_bounded_time(tmp_path):
+    proc, out, elapsed = launch(tmp_path, 2, "--compression=fp16", "--epochs=50",
+                                "--die_at_step=5", "--timeout=20", timeout=300)
+    assert proc.returncode == 3, proc.stdout[-3000:]
+    assert elapsed < 120
+    assert not glob.glob(str(out / "result_*.json"))
+    left = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True).stdout
+    assert left.strip() == "", f"orphan workers: {left}"
