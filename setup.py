@@ -10,7 +10,8 @@ setup(
     python_requires=">=3.9",
     install_requires=["tensorflow>=2.16", "numpy", "absl-py", "pyyaml"],
     extras_require={
-        "test": ["pytest", "scikit-learn", "tf_keras", "hypothesis"],
+        "test": ["pytest", "scikit-learn", "tf_keras", "hypothesis", "matplotlib"],
         "examples": ["scikit-learn"],
+        "report": ["matplotlib"],
     },
 )

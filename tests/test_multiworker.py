@@ -64,7 +64,7 @@ def test_keras3_fit_none_two_workers(none_2workers):
 @pytest.mark.parametrize("compression,options,ratio", [
     ("fp16", "{}", 2.0),
     ("topk", '{"ratio": 0.05}', None),
-    ("powersgd", '{"rank": 4}', None),
+    ("powersgd", '{"rank": 16}', None),
 ])
 def test_keras3_fit_compressed_two_workers(tmp_path, none_2workers, compression, options, ratio):
     proc, out, _ = launch(tmp_path, 2, f"--compression={compression}",
@@ -78,7 +78,7 @@ def test_keras3_fit_compressed_two_workers(tmp_path, none_2workers, compression,
     if ratio:
         assert stats["compression_ratio"] == pytest.approx(ratio)
     else:
-        assert stats["compression_ratio"] > 4
+        assert stats["compression_ratio"] > 3
     assert res[0]["accuracy"] >= none_2workers[1][0]["accuracy"] - 0.02
 
 
