@@ -1,0 +1,183 @@
+"""`CommunicationMonitor`: a Keras callback for communication volume, step time and throughput."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import os
+import time
+
+import tensorflow as tf
+
+from tf_gradsync.callbacks import _common
+
+_BATCH_KEYS = ("comm_bytes", "comm_bytes_dense", "compression_ratio", "step_time_ms",
+               "samples_per_sec")
+_EPOCH_KEYS = _BATCH_KEYS + ("comm_bytes_total", "step_time_p50_ms", "step_time_p90_ms")
+_HAVE_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None
+
+
+class CommunicationMonitor(tf.keras.callbacks.Callback):
+    """Adds communication and timing numbers to Keras logs and optionally writes them out.
+
+    After every training batch and epoch the callback adds to `logs` (and so to the
+    progress bar and to `History`):
+
+    * `comm_bytes`: bytes each replica sent per step, from `ops.stats()` deltas since
+      the previous batch end (traffic between batches, such as a `strategy.reduce` in
+      another callback, counts towards the next batch).
+    * `comm_bytes_dense`: what an uncompressed ring all-reduce would have sent.
+    * `compression_ratio`: `comm_bytes_dense / comm_bytes`.
+    * `step_time_ms`: wall time per step between `on_train_batch_begin` and
+      `on_train_batch_end`, divided by the steps the batch covered (more than one with
+      `steps_per_execution > 1`). The first batch of training includes tracing and is
+      left out of all timing.
+    * `samples_per_sec`: global batch size x steps / wall time; only when the batch
+      size is known: the `batch_size` argument, else `batch_size` in `self.params`,
+      else `size` or `batch_size` in the batch logs (Keras 3 and tf_keras `fit` report
+      none of these, so pass `batch_size`). A short final batch is counted as full.
+
+    At epoch end the same keys hold the epoch's averages, plus `comm_bytes_total`
+    (bytes sent per replica since training began) and `step_time_p50_ms`,
+    `step_time_p90_ms` (percentiles of the epoch's per-step times). Timing keys are
+    NaN for an epoch without timed batches.
+
+    Files are opened in `on_train_begin` (overwriting) and closed in `on_train_end`,
+    and only the chief writes them. CSV and JSON lines hold one row per batch (`kind`
+    "batch") and per epoch (`kind` "epoch") with `step` (training steps since train
+    begin), `epoch`, `wall_time_s` (since train begin), `loss`, `steps` (steps the row
+    covers) and the numbers above; JSON lines also carry the other scalar Keras logs
+    (accuracy, validation metrics), and write NaN as null. TensorBoard gets scalars
+    `batch/<key>` (at the training step) and `epoch/<key>` (at the epoch).
+
+    Works with Keras 3 and with tf_keras (`TF_USE_LEGACY_KERAS=1`): the base class is
+    the `tf.keras.callbacks.Callback` selected when this module is imported.
+
+    Args:
+      ops_or_strategy: the `tf_gradsync.CompressedAllReduce` to read, or a strategy
+        whose cross-device ops is one (its cluster resolver then decides who is chief;
+        given ops, the model's strategy does).
+      csv_path: CSV file to write, or None.
+      tensorboard_dir: TensorBoard log directory, or None.
+      jsonl_path: JSON-lines file to write (what `python -m tf_gradsync.report`
+        reads), or None.
+      batch_size: global batch size, for `samples_per_sec`.
+
+    Raises:
+      ValueError: if `ops_or_strategy` is neither a `CompressedAllReduce` nor a
+        strategy using one.
+
+    Example:
+      >>> ops = tf_gradsync.CompressedAllReduce("fp16")
+      >>> strategy = tf.distribute.MirroredStrategy(cross_device_ops=ops)
+      >>> monitor = CommunicationMonitor(ops, jsonl_path="fp16.jsonl", batch_size=64)
+      >>> history = model.fit(x, y, batch_size=64, callbacks=[monitor])
+      >>> history.history["comm_bytes"][-1]   # bytes per replica per step, last epoch
+    """
+
+    def __init__(self, ops_or_strategy, csv_path: str | None = None,
+                 tensorboard_dir: str | None = None, jsonl_path: str | None = None,
+                 batch_size: int | None = None):
+        super().__init__()
+        self.ops, self.strategy = _common.resolve(ops_or_strategy, "CommunicationMonitor")
+        self.csv_path = csv_path
+        self.tensorboard_dir = tensorboard_dir
+        self.jsonl_path = jsonl_path
+        self.batch_size = batch_size
+        self.is_chief = True
+        self._csv = self._csv_file = self._jsonl = self._writer = None
+
+    # ------------------------------------------------------------ Keras hooks
+    def on_train_begin(self, logs=None):
+        self._meter = _common.Meter(self.ops)
+        self._t0 = time.perf_counter()
+        self._warm = False
+        self._epoch, self._records = 0, []
+        strategy = self.strategy or getattr(self.model, "distribute_strategy", None)
+        self.is_chief = _common.is_chief(strategy)
+        if not self.is_chief:
+            return
+        if self.csv_path:
+            self._csv_file = open(_parent_made(self.csv_path), "w", newline="", encoding="utf-8")
+            self._csv = csv.DictWriter(self._csv_file, _common.FIELDS, extrasaction="ignore")
+            self._csv.writeheader()
+        if self.jsonl_path:
+            self._jsonl = open(_parent_made(self.jsonl_path), "w", encoding="utf-8")
+        if self.tensorboard_dir:
+            self._writer = tf.summary.create_file_writer(self.tensorboard_dir)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch, self._records = epoch, []
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._batch_begin, self._t_batch = batch, time.perf_counter()
+
+    def on_train_batch_end(self, batch, logs=None):
+        elapsed = time.perf_counter() - self._t_batch
+        logs = {} if logs is None else logs
+        rec = self._meter.measure(elapsed if self._warm else None,
+                                  batch - self._batch_begin + 1, self._known_batch_size(logs))
+        self._warm = True
+        self._records.append(rec)
+        logs.update({k: rec[k] for k in _BATCH_KEYS if rec[k] is not None})
+        self._write("batch", rec, logs)
+
+    def on_epoch_end(self, epoch, logs=None):
+        logs = {} if logs is None else logs
+        rec = _common.summarise(self._records, self._meter.total_sent())
+        known = self._records and self._records[-1]["samples_per_sec"] is not None
+        logs.update({k: rec[k] for k in _EPOCH_KEYS if k != "samples_per_sec" or known})
+        rec["step"] = self._meter.step
+        self._write("epoch", rec, logs)
+        for f in (self._csv_file, self._jsonl):
+            if f:
+                f.flush()
+
+    def on_train_end(self, logs=None):
+        for f in (self._csv_file, self._jsonl, self._writer):
+            if f:
+                f.close()
+        self._csv = self._csv_file = self._jsonl = self._writer = None
+
+    # ------------------------------------------------------------ helpers
+    def _known_batch_size(self, logs):
+        for size in (self.batch_size, (self.params or {}).get("batch_size"),
+                     logs.get("size"), logs.get("batch_size")):
+            if size:
+                return int(size)
+        return None
+
+    def _write(self, kind: str, rec: dict, logs: dict) -> None:
+        if not (self._csv or self._jsonl or self._writer):
+            return
+        row = {k: v for k, v in logs.items() if _common.scalar(v) is not None}
+        row.update(rec, kind=kind, epoch=self._epoch, loss=_common.scalar(logs.get("loss")),
+                   wall_time_s=time.perf_counter() - self._t0)
+        if self._csv:
+            self._csv.writerow(row)
+        if self._jsonl:
+            self._jsonl.write(_common.json_line(row) + "\n")
+        if self._writer:
+            with self._writer.as_default():
+                step = rec["step"] if kind == "batch" else self._epoch
+                for key in ("loss",) + (_BATCH_KEYS if kind == "batch" else _EPOCH_KEYS):
+                    value = _common.scalar(row.get(key))
+                    if value is not None:
+                        _summary_scalar(f"{kind}/{key}", value, step)
+
+
+def _summary_scalar(name: str, value: float, step: int) -> None:
+    """`tf.summary.scalar`; without the tensorboard package, the same event written directly."""
+    if _HAVE_TENSORBOARD:
+        tf.summary.scalar(name, value, step=step)
+        return
+    from tensorflow.core.framework import summary_pb2  # pylint: disable=import-outside-toplevel
+    metadata = summary_pb2.SummaryMetadata(
+        plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="scalars"))
+    tf.summary.write(name, tf.constant(value, tf.float32), step=step, metadata=metadata)
+
+
+def _parent_made(path: str) -> str:
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    return path
