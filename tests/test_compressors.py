@@ -41,6 +41,14 @@ def rand(n, seed=0, dtype=tf.float32):
 
 
 # ----------------------------------------------------------------- battery
+@pytest.mark.parametrize("name", C.names())
+def test_registered_defaults(name):
+    c = C.get(name)
+    assert type(c).name == name and repr(c).startswith(type(c).__name__)
+    assert "Example" in type(c).__doc__
+    assert c.has_own_memory == (name in ("dgc", "powersgd"))
+
+
 @pytest.mark.parametrize("name", SINGLE)
 @pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: d.name)
 def test_roundtrip_shape_dtype(name, dtype):
@@ -307,8 +315,10 @@ def test_payload_bytes(name):
     ("topk", {"ratio": 0}, "0"), ("topk", {"ratio": 1.5}, "1.5"), ("randomk", {"ratio": -1}, "-1"),
     ("threshold", {"ratio": 2}, "2"), ("threshold", {"sample_ratio": 0.0}, "0.0"),
     ("dgc", {"ratio": 0}, "0"), ("dgc", {"momentum": 1.0}, "1.0"), ("dgc", {"clip_norm": 0}, "0"),
-    ("dgc", {"warmup_steps": -1}, "-1"), ("dgc", {"warmup_steps": 5, "warmup_ratio": 1e-4}, "0.0001"),
-    ("qsgd", {"levels": 0}, "0"), ("qsgd", {"levels": 128}, "128"), ("qsgd", {"levels": 2.5}, "2.5"),
+    ("dgc", {"warmup_steps": -1}, "-1"),
+    ("dgc", {"warmup_steps": 5, "warmup_ratio": 1e-4}, "0.0001"),
+    ("qsgd", {"levels": 0}, "0"), ("qsgd", {"levels": 128}, "128"),
+    ("qsgd", {"levels": 2.5}, "2.5"),
     ("powersgd", {"rank": 0}, "0"), ("powersgd", {"start_iter": -2}, "-2"),
     ("powersgd", {"min_compression_rate": 0.5}, "0.5"), ("powersgd", {"warm_start": 1}, "1"),
 ])

@@ -71,7 +71,8 @@ class DGC(Compressor):
                            low_open=not warmup_steps)
         _util.check_number("sample_ratio", sample_ratio, 0, 1, low_open=True)
         self.ratio, self.momentum, self.clip_norm = ratio, momentum, clip_norm
-        self.warmup_steps, self.warmup_ratio, self.sample_ratio = warmup_steps, warmup_ratio, sample_ratio
+        self.warmup_steps, self.warmup_ratio = warmup_steps, warmup_ratio
+        self.sample_ratio = sample_ratio
 
     def state_spec(self, numel: int, dtype: tf.DType) -> dict[str, StateSpec]:
         """Momentum `u` and accumulated velocity `v`, float32 (float64 for float64)."""
