@@ -262,3 +262,22 @@ def test_non_floating_compressor_input():
         c.check_input(tf.constant([1, 2, 3]))
     with pytest.raises(ValueError, match="unknown arguments"):
         gs.compression.get("fp16", ratio=0.1)
+
+
+@pytest.mark.parametrize("name", ["int8", "sign", "topk"])
+def test_collective_gathers_narrow_payloads_bit_for_bit(devices, name):
+    # CollectiveGatherV2 has no 8-bit kernels: packed bytes travel as int32 words.
+    got = []
+    for algorithm in ("collective", "ring"):
+        ops = gs.CompressedAllReduce(name, algorithm=algorithm, timeout_seconds=60)
+        strategy = tf.distribute.MirroredStrategy(devices, cross_device_ops=ops)
+
+        def fn():
+            ctx = tf.distribute.get_replica_context()
+            seed = tf.stack([ctx.replica_id_in_sync_group, 1])
+            return ctx.all_reduce(SUM, tf.random.stateless_normal([1001], seed))
+        out = tf.function(lambda: strategy.run(fn))()
+        got.append((strategy.experimental_local_results(out)[0].numpy(),
+                    ops.stats()["last_bytes_sent"]))
+    np.testing.assert_array_equal(got[0][0], got[1][0])
+    assert got[0][1] == got[1][1]

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import itertools
 import threading
-import weakref
 import zlib
 from typing import Hashable, Sequence
 
@@ -25,7 +24,7 @@ from tf_gradsync.algorithms._common import DevicePayloads, Wire
 _GROUP_KEY_BASE = 0x6A5000
 _INSTANCE_KEY_BASE = 0x6A5000
 _lock = threading.Lock()
-_instance_keys: "weakref.WeakKeyDictionary[tf.Graph, itertools.count]" = weakref.WeakKeyDictionary()
+_instance_keys = itertools.count(_INSTANCE_KEY_BASE)
 _tokens: dict[str, tf.Variable] = {}
 
 
@@ -54,14 +53,12 @@ def ordering_token(device: str) -> tf.Tensor:
 def next_instance_key() -> int:
     """A fresh key shared by the ops of one collective on all devices and workers.
 
-    Counted per graph being built: every worker traces the same function the same way,
-    so the n-th collective of a function gets the same key everywhere.
+    Never reused in a process: the runtime caches a collective's shape by its key, so a
+    key reused by another function with other shapes would wait forever. Workers agree
+    because they run the same program and so build their collectives in the same order.
     """
-    graph = tf.compat.v1.get_default_graph()
     with _lock:
-        if graph not in _instance_keys:
-            _instance_keys[graph] = itertools.count(_INSTANCE_KEY_BASE)
-        return next(_instance_keys[graph])
+        return next(_instance_keys)
 
 
 def all_reduce(payloads: DevicePayloads, devices: Sequence[str], wire: Wire,
@@ -87,15 +84,13 @@ def all_reduce(payloads: DevicePayloads, devices: Sequence[str], wire: Wire,
         for k, ikey in enumerate(keys):
             for i, d in enumerate(devices):
                 with tf.device(d):
-                    # identity: an input that lives elsewhere (an eager value built on
-                    # another device) is moved first, or the runtime waits forever.
                     out[i].append(_tf_compat.collective_all_reduce(
-                        tf.identity(payloads[i][k]), n, gkey, ikey, ordering_token(d), timeout))
+                        payloads[i][k], n, gkey, ikey, ordering_token(d), timeout))
         return out
 
     for k in range(len(keys)):
         wire.fed([p[k] for p in payloads], 2 * (n - 1), n)
-    return _in_graph(launch, payloads)
+    return _in_graph(launch, _placed(payloads, devices))
 
 
 def all_gather(payloads: DevicePayloads, devices: Sequence[str], wire: Wire,
@@ -115,16 +110,39 @@ def all_gather(payloads: DevicePayloads, devices: Sequence[str], wire: Wire,
         for k, ikey in enumerate(keys):
             for i, d in enumerate(devices):
                 with tf.device(d):
+                    t = payloads[i][k]
                     gathered = _tf_compat.collective_all_gather(
-                        tf.expand_dims(tf.identity(payloads[i][k]), 0), n, gkey, ikey,
-                        ordering_token(d), timeout)
+                        tf.expand_dims(_to_words(t), 0), n, gkey, ikey, ordering_token(d),
+                        timeout)
                     for j, part in enumerate(tf.unstack(gathered, num=n)):
-                        out[i][j].append(part)
+                        out[i][j].append(_from_words(part, t))
         return out
 
     for k in range(len(keys)):
         wire.fed([p[k] for p in payloads], n - 1)
-    return _in_graph(launch, payloads)
+    return _in_graph(launch, _placed(payloads, devices))
+
+
+# CollectiveGatherV2 carries 16/32/64-bit types only; narrower payloads (packed bits,
+# int8) travel bit-for-bit as int32 words, so the bytes on the wire stay the same.
+_NATIVE = (tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int32, tf.int64)
+
+
+def _to_words(t: tf.Tensor) -> tf.Tensor:
+    if t.dtype in _NATIVE:
+        return t
+    flat = tf.reshape(t, [-1])
+    per_word = 4 // t.dtype.size
+    pad = (-tf.size(flat)) % per_word
+    flat = tf.concat([flat, tf.zeros([pad], t.dtype)], 0)
+    return tf.bitcast(tf.reshape(flat, [-1, per_word]), tf.int32)
+
+
+def _from_words(words: tf.Tensor, like: tf.Tensor) -> tf.Tensor:
+    if like.dtype in _NATIVE:
+        return words
+    flat = tf.reshape(tf.bitcast(words, like.dtype), [-1])[:tf.size(like)]
+    return tf.reshape(flat, tf.shape(like))
 
 
 def _in_graph(launch, payloads):
@@ -133,3 +151,15 @@ def _in_graph(launch, payloads):
     if tf.executing_eagerly():
         return tf.function(launch)(payloads)
     return launch(payloads)
+
+
+def _placed(payloads, devices):
+    """Eager inputs built on another device are copied to their own device first; a
+    collective fed from elsewhere waits forever."""
+    if not tf.executing_eagerly():
+        return payloads
+    out = []
+    for p, d in zip(payloads, devices):
+        with tf.device(d):
+            out.append([tf.identity(t) for t in p])
+    return out
