@@ -101,7 +101,10 @@ def test_custom_loop_matches_single_process_mirrored(tmp_path, devices):
     assert proc.returncode == 0, proc.stdout[-4000:]
     weights, _ = results(out, 2)
     assert_same_weights(weights)
-    strategy = tf.distribute.MirroredStrategy(devices[:2])
+    # ReductionToOneDevice: TF's default collectives would reuse a group key that an
+    # earlier 4-device strategy in this process already holds.
+    strategy = tf.distribute.MirroredStrategy(devices[:2],
+                                              cross_device_ops=tf.distribute.ReductionToOneDevice())
     x_train, _, y_train, _ = train_digits.load_data(0)
     with strategy.scope():
         model = train_digits.build_model(tf.keras, 0)
