@@ -17,11 +17,7 @@ from tensorflow.python.distribute import values as _values
 from tensorflow.python.ops import collective_ops as _collective_ops
 from tensorflow.python.ops import resource_variable_ops as _resource_variable_ops
 
-Mirrored = _values.Mirrored
-PerReplica = _values.PerReplica
-CollectiveAllReduce = _cross_device_ops.CollectiveAllReduce
-
-#: TF's own helpers for single-value broadcast and for a one-device reduce.
+#: TF's own broadcast by plain copies.
 simple_broadcast = _cross_device_ops.simple_broadcast
 
 
@@ -30,11 +26,7 @@ def devices_of(destinations) -> tuple[str, ...]:
     return tuple(_cross_device_ops.get_devices_from(destinations))
 
 
-def canonical_device(device: str) -> str:
-    return tf.DeviceSpec.from_string(device).to_string() if device else device
-
-
-def to_per_replica(value) -> "PerReplica":
+def to_per_replica(value) -> _values.PerReplica:
     """Wraps a plain tensor into a one-element PerReplica, as TF's own ops do."""
     return _cross_device_ops._make_tensor_into_per_replica(value)  # pylint: disable=protected-access
 
@@ -43,11 +35,11 @@ def regroup_mirrored(per_device: Sequence) -> object:
     """One value per destination device -> a `Mirrored` (or the value itself for one device)."""
     if len(per_device) == 1:
         return per_device[0]
-    return _distribute_utils.regroup(tuple(per_device), wrap_class=Mirrored)
+    return _distribute_utils.regroup(tuple(per_device), wrap_class=_values.Mirrored)
 
 
 def plain_variable(initial_value, *, name: str, device: str | None = None,
-                                      trainable: bool = False) -> tf.Variable:
+                   trainable: bool = False) -> tf.Variable:
     """Creates an ordinary resource variable even inside a distribution-strategy scope.
 
     `initial_value` may be a callable, evaluated outside any function being traced.
