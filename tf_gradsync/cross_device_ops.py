@@ -8,7 +8,7 @@ import tensorflow as tf
 
 from tf_gradsync import _tf_compat, algorithms
 from tf_gradsync.compression import Compressor, RoundCompressor, get
-from tf_gradsync.pipeline import Pipeline
+from tf_gradsync.pipeline import Pipeline, path_of
 from tf_gradsync.stats import Stats
 
 
@@ -120,8 +120,11 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
         if self._exact_ops is None:
             return self._run(reduce_op, value_destination_pairs, options, compress=True)
         pairs = list(value_destination_pairs)
-        ours = [i for i, (v, d) in enumerate(pairs) if _compressible(v, d)]
-        rest = [i for i in range(len(pairs)) if i not in set(ours)]
+        ours, rest = [], []
+        for i, (value, dest) in enumerate(pairs):
+            v = _tf_compat.to_per_replica(value)
+            all_reduce = _tf_compat.devices_of(dest) == tuple(v._devices)  # pylint: disable=protected-access
+            (ours if all_reduce and path_of(v) == "compressed" else rest).append(i)
         results = [None] * len(pairs)
         if ours:
             for i, r in zip(ours, self._run(reduce_op, [pairs[i] for i in ours], options, True)):
@@ -184,10 +187,3 @@ def _with_error_feedback(compressor: Compressor, error_feedback: bool | None) ->
         error_feedback = not compressor.unbiased and not own
     return ErrorFeedback(compressor) if error_feedback else compressor
 
-
-def _compressible(value, destinations) -> bool:
-    """A dense floating all-reduce (destinations are the value's own devices)."""
-    v = _tf_compat.to_per_replica(value)
-    first = v.values[0]
-    return (not isinstance(first, tf.IndexedSlices) and first.dtype.is_floating
-            and _tf_compat.devices_of(destinations) == tuple(v._devices))  # pylint: disable=protected-access

@@ -83,13 +83,7 @@ class Pipeline:
 
         groups: dict[str, list[int]] = {"compressed": [], "exact": [], "sparse": []}
         for i, v in enumerate(values):
-            first = v.values[0]
-            if isinstance(first, tf.IndexedSlices):
-                groups["sparse"].append(i)
-            elif compress and first.dtype.is_floating:
-                groups["compressed"].append(i)
-            else:
-                groups["exact"].append(i)
+            groups[path_of(v, compress)].append(i)
 
         with tf.name_scope(SCOPE):
             for kind, compressor in (("compressed", self.compressor), ("exact", self._exact)):
@@ -220,14 +214,20 @@ class Pipeline:
     def _exchange(self, payloads: list[list[tf.Tensor]], devices: tuple[str, ...],
                   summable: bool, wire: Wire, timeout: float) -> list:
         """Runs the communication algorithm over one bucket's payloads."""
-        n = len(devices)
         if self.num_workers > 1:
             return self._exchange_across_workers(payloads, devices, summable, wire, timeout)
+        return self._exchange_local(payloads, devices, summable, wire, timeout, self.algorithm)
+
+    @staticmethod
+    def _exchange_local(payloads, devices, summable, wire, timeout, algorithm):
+        """Among the devices of this process; `algorithm` may be "auto"."""
+        n = len(devices)
         if n == 1:
             return [payloads[0]] if summable else [[payloads[0]]]
         static = [t.shape.num_elements() for t in payloads[0]]
-        size = sum(s * t.dtype.size for s, t in zip(static, payloads[0])) if None not in static else 1 << 62
-        algo = algorithms.choose(self.algorithm, size, n)
+        size = (sum(s * t.dtype.size for s, t in zip(static, payloads[0]))
+                if None not in static else 1 << 62)
+        algo = algorithms.choose(algorithm, size, n)
         kwargs = {"timeout": timeout} if algo is algorithms.collective else {}
         with tf.name_scope(algo.__name__.rsplit(".", 1)[-1]):
             if summable:
@@ -244,20 +244,14 @@ class Pipeline:
                 return algorithms.collective.all_gather(
                     payloads, devices, wire, group_size=n * workers, timeout=timeout,
                     role=("all", n, workers))
-        local = payloads
-        if n > 1:
-            local = self._exchange_local(payloads, devices, wire)
+        # The local stage uses in-process transfers; collectives are for the workers.
+        local_algorithm = "auto" if self.algorithm == "collective" else self.algorithm
+        local = self._exchange_local(payloads, devices, True, wire, timeout, local_algorithm)
         with tf.name_scope("collective"):
             (leader,) = algorithms.collective.all_reduce(
                 [local[0]], devices[:1], wire, group_size=workers, timeout=timeout,
                 role=("leaders", workers))
         return [leader] + [[wire.send(t, d) for t in leader] for d in devices[1:]]
-
-    def _exchange_local(self, payloads, devices, wire):
-        size = sum(t.shape.num_elements() * t.dtype.size for t in payloads[0])
-        algo = algorithms.choose(
-            "auto" if self.algorithm == "collective" else self.algorithm, size, len(devices))
-        return algo.all_reduce(payloads, devices, wire)
 
     def _gather_slices(self, reduce_op, slices: Sequence[tf.IndexedSlices], src, dests, wire):
         """All-gathers IndexedSlices to each destination (uncompressed, not densified)."""
@@ -287,6 +281,14 @@ class Pipeline:
                     device=device)
             state[name] = self.state[key]
         return state
+
+
+def path_of(value, compress: bool = True) -> str:
+    """Which path a PerReplica value takes: "compressed", "exact" or "sparse"."""
+    first = value.values[0]
+    if isinstance(first, tf.IndexedSlices):
+        return "sparse"
+    return "compressed" if compress and first.dtype.is_floating else "exact"
 
 
 def _finish(y: tf.Tensor, reduce_op, n: int, prescaled: bool) -> tf.Tensor:

@@ -90,7 +90,7 @@ def all_reduce(payloads: DevicePayloads, devices: Sequence[str], wire: Wire,
 
     for k in range(len(keys)):
         wire.fed([p[k] for p in payloads], 2 * (n - 1), n)
-    return _in_graph(launch, _placed(payloads, devices))
+    return _in_graph(launch, payloads, devices)
 
 
 def all_gather(payloads: DevicePayloads, devices: Sequence[str], wire: Wire,
@@ -120,7 +120,7 @@ def all_gather(payloads: DevicePayloads, devices: Sequence[str], wire: Wire,
 
     for k in range(len(keys)):
         wire.fed([p[k] for p in payloads], n - 1)
-    return _in_graph(launch, _placed(payloads, devices))
+    return _in_graph(launch, payloads, devices)
 
 
 # CollectiveGatherV2 carries 16/32/64-bit types only; narrower payloads (packed bits,
@@ -145,21 +145,14 @@ def _from_words(words: tf.Tensor, like: tf.Tensor) -> tf.Tensor:
     return tf.reshape(flat, tf.shape(like))
 
 
-def _in_graph(launch, payloads):
+def _in_graph(launch, payloads, devices):
     """Eagerly, one device's collective would block before the next one launches, so
-    build them all into one function; inside a graph, just build them."""
-    if tf.executing_eagerly():
-        return tf.function(launch)(payloads)
-    return launch(payloads)
-
-
-def _placed(payloads, devices):
-    """Eager inputs built on another device are copied to their own device first; a
-    collective fed from elsewhere waits forever."""
+    build them all into one function, from inputs first copied to their own devices (a
+    collective fed from another device waits forever); inside a graph, just build them."""
     if not tf.executing_eagerly():
-        return payloads
-    out = []
+        return launch(payloads)
+    placed = []
     for p, d in zip(payloads, devices):
         with tf.device(d):
-            out.append([tf.identity(t) for t in p])
-    return out
+            placed.append([tf.identity(t) for t in p])
+    return tf.function(launch)(placed)
