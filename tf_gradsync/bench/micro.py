@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import sys
 import time
 
 import numpy as np
 import tensorflow as tf
+from absl import flags
 
 from tf_gradsync import _tf_compat, compression
 from tf_gradsync.compression import Context, RoundCompressor
+
+flags.DEFINE_list("sizes", ["1000000", "25000000"], "micro: bucket sizes (elements).")
+flags.DEFINE_integer("repeats", 5, "micro: timed repetitions.")
+FLAGS = flags.FLAGS
 
 
 def roundtrip_fn(compressor, numel: int):
@@ -56,3 +62,15 @@ def measure(name: str, numel: int, repeats: int = 5) -> dict:
     dense = numel * 4
     return {"compressor": name, "numel": numel, "seconds": sec, "gb_per_s": dense / sec / 1e9,
             "payload_bytes": int(sent), "ratio": dense / max(int(sent), 1)}
+
+
+def run() -> tuple[list[dict], list[str]]:
+    """The suite: every compressor (or --compressors) at every size, on one core."""
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    rows = []
+    for name in FLAGS.compressors or compression.names():
+        for size in FLAGS.sizes:
+            print(f"[bench] micro {name} {size}", file=sys.stderr, flush=True)
+            rows.append(measure(name, int(size), FLAGS.repeats))
+    return rows, ["compressor", "numel", "gb_per_s", "payload_bytes", "ratio"]

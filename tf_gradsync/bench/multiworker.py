@@ -13,6 +13,12 @@ import sys
 import time
 
 import numpy as np
+from absl import flags
+
+flags.DEFINE_integer("workers", 2, "multiworker: number of local workers.")
+flags.DEFINE_integer("params", 25_000_000, "multiworker: model parameters.")
+flags.DEFINE_integer("steps", 10, "multiworker: timed steps per run.")
+FLAGS = flags.FLAGS
 
 
 def worker(mode: str, params: int, steps: int, batch: int) -> dict:
@@ -50,7 +56,16 @@ def worker(mode: str, params: int, steps: int, batch: int) -> dict:
     return out
 
 
-def run(modes, workers: int, params: int, steps: int, batch: int) -> list[dict]:
+def run() -> tuple[list[dict], list[str]]:
+    """The suite: stock, then each of --compressors (default none, fp16), as ratios."""
+    modes = ["stock", *(FLAGS.compressors or ["none", "fp16"])]
+    rows = run_jobs(modes, FLAGS.workers, FLAGS.params, FLAGS.steps, 16)
+    for r in rows:
+        r["vs_stock"] = r["median_s"] / rows[0]["median_s"]
+    return rows, ["mode", "params", "median_s", "vs_stock", "bytes_per_step"]
+
+
+def run_jobs(modes, workers: int, params: int, steps: int, batch: int) -> list[dict]:
     """Runs each mode as a separate job, one after the other; returns rank 0's results."""
     rows = []
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
