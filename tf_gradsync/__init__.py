@@ -2,6 +2,7 @@
 
 from tf_gradsync import algorithms, compression
 from tf_gradsync.bucketing import BucketPlan, plan_buckets
+from tf_gradsync.checkpoint import track_state
 from tf_gradsync.config import SyncConfig, load_config, parse_config
 from tf_gradsync.devices import logical_cpus
 from tf_gradsync.cross_device_ops import CompressedAllReduce
@@ -20,4 +21,5 @@ __all__ = [
     "logical_cpus",
     "parse_config",
     "plan_buckets",
+    "track_state",
 ]

@@ -96,3 +96,13 @@ def _merge_call_subclass(cls):
             "_replica_ctx_all_reduce": _replica_ctx_all_reduce,
         })
     return _MERGE_CALL_CLASSES[cls]
+
+
+def keras_saveable_base() -> type:
+    """Keras 3's base class of objects its weight files (`save_weights`, `.keras`) walk
+    into; `object` where Keras 3 is absent (tf_keras checkpoints track tf.Modules)."""
+    try:
+        from keras.src.saving.keras_saveable import KerasSaveable  # pylint: disable=import-outside-toplevel
+    except ImportError:
+        return object
+    return KerasSaveable

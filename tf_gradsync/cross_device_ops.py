@@ -9,6 +9,7 @@ import tensorflow as tf
 from tf_gradsync import _tf_compat, algorithms
 from tf_gradsync.compression import Compressor, RoundCompressor, get
 from tf_gradsync.pipeline import Pipeline, path_of
+from tf_gradsync.state import SyncState
 from tf_gradsync.stats import Stats
 
 
@@ -60,8 +61,10 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
         self._compressor = _with_error_feedback(get(compression), error_feedback)
         self._algorithm = algorithms.validate(algorithm)
         self._bucket_bytes = bucket_bytes
-        self._stats = Stats()
-        self._state = {}   # wrapped by tf.Module into a trackable dict: state is checkpointed
+        # Every variable (compressor state, counters) lives in one tracked SyncState, so
+        # checkpointing these ops (directly, or through `track_state(model, ops)`) saves it.
+        self._state = SyncState()
+        self._stats = Stats(self._state)
         self._pipeline = Pipeline(self._compressor, self._algorithm, bucket_bytes,
                                   self._stats, self._state, timeout_seconds or 0)
         self._exact_ops = None

@@ -11,7 +11,7 @@ same bucketed path with the identity compressor, so results are exact.
 
 from __future__ import annotations
 
-from typing import MutableMapping, Sequence
+from typing import Sequence
 
 import tensorflow as tf
 
@@ -19,6 +19,7 @@ from tf_gradsync import _tf_compat, algorithms
 from tf_gradsync.algorithms import Wire
 from tf_gradsync.bucketing import Bucket, BucketPlan, plan_buckets
 from tf_gradsync.compression import Compressor, Context, NoCompression, RoundCompressor
+from tf_gradsync.state import SyncState
 from tf_gradsync.stats import Stats
 
 #: Name scope of every op on the data path (pack .. unpack), e.g. for graph checks.
@@ -35,13 +36,13 @@ class Pipeline:
       algorithm: a name from `tf_gradsync.algorithms.names()`.
       bucket_bytes: bucket size bound for the planner.
       stats: counters to update.
-      state: a trackable mapping in which per-bucket, per-replica state variables are
-        created on first use and looked up afterwards.
+      state: where per-bucket, per-replica state variables are created on first use
+        and looked up afterwards.
       timeout: seconds after which a collective with a missing peer fails (0: never).
     """
 
     def __init__(self, compressor: Compressor, algorithm: str, bucket_bytes: int,
-                 stats: Stats, state: MutableMapping[str, tf.Variable], timeout: float = 0):
+                 stats: Stats, state: SyncState, timeout: float = 0):
         self.compressor = compressor
         self.algorithm = algorithm
         self.bucket_bytes = bucket_bytes
@@ -275,11 +276,8 @@ class Pipeline:
         state = {}
         for name, spec in specs.items():
             key = f"{compressor.name}_{plan.fingerprint}_b{bucket.id}_r{replica}_{name}"
-            if key not in self.state:
-                self.state[key] = _tf_compat.plain_variable(
-                    lambda spec=spec: spec.initializer(spec.shape, spec.dtype), name=key,
-                    device=device)
-            state[name] = self.state[key]
+            state[name] = self.state.variable(
+                key, lambda spec=spec: spec.initializer(spec.shape, spec.dtype), device)
         return state
 
 

@@ -1,0 +1,221 @@
+"""Compression state survives checkpoints: an interrupted and resumed run reproduces
+the uninterrupted one (tf.train.Checkpoint, model.save_weights, BackupAndRestore)."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_gradsync as gs
+import train_digits  # examples/train_digits.py
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BATCH = 64
+# Compressors whose results depend on state or on the step counter, with settings that
+# keep state busy on this small model.
+STATEFUL = {
+    "topk": {"ratio": 0.05},        # error-feedback residual
+    "sign": {},                     # error-feedback residual
+    "randomk": {"ratio": 0.25},     # per-step shared seed (step counter)
+    "qsgd": {},                     # per-step seed
+    "powersgd": {"rank": 2},        # warm-start Q and residual
+    "dgc": {"ratio": 0.05},         # momentum, accumulation, warm-up by step
+}
+if "adaptive" in gs.compression.names():
+    STATEFUL["adaptive"] = {}
+
+
+@pytest.fixture(scope="module")
+def data():
+    x_train, x_test, y_train, y_test = train_digits.load_data(0)
+    return x_train[:512], y_train[:512]
+
+
+def _strategy(name, devices):
+    ops = gs.CompressedAllReduce(gs.compression.get(name, **STATEFUL.get(name, {})))
+    return ops, tf.distribute.MirroredStrategy(devices, cross_device_ops=ops)
+
+
+def _model(strategy, ops):
+    with strategy.scope():
+        model = train_digits.build_model(tf.keras, seed=3)
+    gs.track_state(model, ops)
+    return model
+
+
+def _state_values(ops):
+    return {k: v for k, v in ops._state.values().items() if not k.startswith("stats_bytes")}
+
+
+class _Interrupt(tf.keras.callbacks.Callback):
+    def __init__(self, epoch):
+        super().__init__()
+        self.epoch = epoch
+
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == self.epoch:
+            raise KeyboardInterrupt(f"interrupted after epoch {epoch}")
+
+
+def _assert_same(a_model, a_ops, b_model, b_ops):
+    for wa, wb in zip(a_model.get_weights(), b_model.get_weights()):
+        np.testing.assert_allclose(wa, wb, rtol=1e-5, atol=1e-6)
+    sa, sb = _state_values(a_ops), _state_values(b_ops)
+    assert sorted(sa) == sorted(sb)
+    for k in sa:
+        np.testing.assert_allclose(sa[k], sb[k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(STATEFUL))
+def test_backup_and_restore_resumes_exactly(name, data, devices, tmp_path):
+    x, y = data
+    epochs = 3
+
+    ops, strategy = _strategy(name, devices)
+    model = _model(strategy, ops)
+    model.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0)
+
+    backup = tf.keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))
+    ops1, strategy1 = _strategy(name, devices)
+    first = _model(strategy1, ops1)
+    with pytest.raises(KeyboardInterrupt):
+        first.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0,
+                  callbacks=[backup, _Interrupt(1)])
+    assert len(_state_values(ops1)) > 5   # stats plus this compressor's state
+
+    ops2, strategy2 = _strategy(name, devices)
+    resumed = _model(strategy2, ops2)
+    resumed.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0,
+                callbacks=[tf.keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))])
+    steps = epochs * int(np.ceil(len(x) / BATCH))
+    assert ops.stats()["steps"] == ops2.stats()["steps"] == steps
+    _assert_same(model, ops, resumed, ops2)
+
+
+def test_save_weights_carries_state(data, devices, tmp_path):
+    x, y = data
+    ops, strategy = _strategy("topk", devices)
+    model = _model(strategy, ops)
+    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    path = str(tmp_path / "m.weights.h5")
+    model.save_weights(path)
+
+    ops2, strategy2 = _strategy("topk", devices)
+    restored = _model(strategy2, ops2)
+    with strategy2.scope():
+        restored.optimizer.build(restored.trainable_variables)   # Keras loads built optimizers only
+    restored.load_weights(path)      # before the first step: the state does not exist yet
+    assert len(ops2._state) == 0
+    # One more epoch on each continues identically: residuals and step counter came back.
+    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    restored.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    _assert_same(model, ops, restored, ops2)
+    # Loading into ops whose variables exist assigns them in place.
+    restored.load_weights(path)
+    saved = {k: v for k, v in _state_values(ops2).items()}
+    assert saved["stats_steps"] == int(np.ceil(len(x) / BATCH))
+
+
+def test_tf_train_checkpoint_custom_loop_resumes_exactly(devices, tmp_path):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(256, 12)).astype(np.float32)
+    y = rng.normal(size=(256, 4)).astype(np.float32)
+
+    def setup():
+        ops = gs.CompressedAllReduce(gs.compression.get("powersgd", rank=2))
+        strategy = tf.distribute.MirroredStrategy(devices, cross_device_ops=ops)
+        with strategy.scope():
+            tf.keras.utils.set_random_seed(5)
+            model = tf.keras.Sequential([tf.keras.Input((12,)), tf.keras.layers.Dense(48, "tanh"),
+                                         tf.keras.layers.Dense(4)])
+            opt = tf.keras.optimizers.SGD(0.05, momentum=0.9)
+
+        @tf.function
+        def step(bx, by):
+            def fn(bx, by):
+                with tf.GradientTape() as tape:
+                    loss = tf.reduce_mean((model(bx) - by) ** 2)
+                grads = tape.gradient(loss, model.trainable_variables)
+                opt.apply_gradients(zip(grads, model.trainable_variables))
+            strategy.run(fn, (bx, by))
+
+        def run(steps):
+            ds = strategy.experimental_distribute_dataset(
+                tf.data.Dataset.from_tensor_slices((x, y)).batch(32).repeat().take(steps))
+            for bx, by in ds:
+                step(bx, by)
+        ckpt = tf.train.Checkpoint(model=model, optimizer=opt, gradsync=ops)
+        return ops, model, run, ckpt
+
+    ops, model, run, _ = setup()
+    run(8)
+    run(8)
+
+    ops1, _, run1, ckpt1 = setup()
+    run1(8)
+    path = ckpt1.save(str(tmp_path / "ckpt"))
+
+    ops2, model2, run2, ckpt2 = setup()
+    ckpt2.restore(path).assert_existing_objects_matched()
+    run2(8)
+    _assert_same(model, ops, model2, ops2)
+    assert any(k.endswith("_q") or "_q" in k for k in _state_values(ops2)), _state_values(ops2).keys()
+
+
+@pytest.mark.slow
+def test_tf_keras_checkpoint_carries_state(tmp_path):
+    script = textwrap.dedent(f"""
+        import os, sys
+        import numpy as np
+        import tensorflow as tf
+        import tf_gradsync as gs
+        sys.path.insert(0, {os.path.join(ROOT, "examples")!r})
+        import train_digits
+        import tf_keras
+        assert tf.keras is tf_keras or tf.keras.__name__.startswith("tf_keras")
+        gs.logical_cpus(2)
+        x, _, y, _ = train_digits.load_data(0)
+        x, y = x[:256], y[:256]
+
+        def setup():
+            ops = gs.CompressedAllReduce(gs.compression.get("topk", ratio=0.05))
+            strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"], cross_device_ops=ops)
+            with strategy.scope():
+                model = train_digits.build_model(tf.keras, seed=3)
+            gs.track_state(model, ops)
+            return ops, model
+
+        ops, model = setup()
+        model.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0)
+        ops1, first = setup()
+        first.fit(x, y, batch_size=64, epochs=1, shuffle=False, verbose=0)
+        first.save_weights({str(tmp_path / "w")!r})
+        ops2, resumed = setup()
+        resumed.load_weights({str(tmp_path / "w")!r})
+        resumed.fit(x, y, batch_size=64, epochs=1, shuffle=False, verbose=0)
+        for a, b in zip(model.get_weights(), resumed.get_weights()):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+        assert ops2.stats()["steps"] == ops.stats()["steps"] == 8
+        print("OK", len(ops2._state))
+    """)
+    env = dict(os.environ, TF_USE_LEGACY_KERAS="1", TF_CPP_MIN_LOG_LEVEL="2",
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0 and "OK" in out.stdout, out.stdout[-2000:] + out.stderr[-4000:]
+
+
+def test_track_state_rejects_bad_input(devices):
+    ops = gs.CompressedAllReduce("topk")
+    model = tf.keras.Sequential([tf.keras.Input((3,)), tf.keras.layers.Dense(2)])
+    with pytest.raises(ValueError, match="CompressedAllReduce"):
+        gs.track_state(model, "topk")
+    gs.track_state(model, ops)
+    gs.track_state(model, ops)   # idempotent
+    with pytest.raises(ValueError, match="already tracks"):
+        gs.track_state(model, gs.CompressedAllReduce("fp16"))
