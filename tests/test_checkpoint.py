@@ -32,7 +32,7 @@ if "adaptive" in gs.compression.names():
 @pytest.fixture(scope="module")
 def data():
     x_train, x_test, y_train, y_test = train_digits.load_data(0)
-    return x_train[:512], y_train[:512]
+    return x_train[:384], y_train[:384]
 
 
 def _strategy(name, devices):
@@ -86,7 +86,7 @@ def test_backup_and_restore_resumes_exactly(name, data, devices, tmp_path):
     with pytest.raises(KeyboardInterrupt):
         first.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0,
                   callbacks=[backup, _Interrupt(1)])
-    assert len(_state_values(ops1)) > 5   # stats plus this compressor's state
+    assert ops1.stats()["steps"] == 2 * int(np.ceil(len(x) / BATCH))   # stopped after 2 epochs
 
     ops2, strategy2 = _strategy(name, devices)
     resumed = _model(strategy2, ops2)
