@@ -185,7 +185,11 @@ class Pipeline:
                     # Metadata is identical on every replica (part of the contract), so
                     # the local one also decodes payloads from other workers.
                     parts = [compressor.decompress(p, metas[k]) for p in got]
-                    y = parts[0] if len(parts) == 1 else tf.add_n(parts)
+                    # One reduction over the stacked parts, not add_n: Grappler rewrites
+                    # an add_n differently on each device (the local part has another
+                    # consumer under error feedback), which changes the summation order
+                    # and lets replicas drift apart by a rounding error per step.
+                    y = parts[0] if len(parts) == 1 else tf.reduce_sum(tf.stack(parts), 0)
                 outputs.append(_finish(y, reduce_op, n, compressor.prescale))
         return outputs
 
