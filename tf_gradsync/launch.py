@@ -96,15 +96,28 @@ class Job:
     """A set of worker processes that live and die together."""
 
     def __init__(self, command: Sequence[str], configs: Sequence[dict], grace_seconds: float,
-                 out=sys.stdout):
+                 out=sys.stdout, prefixes: Sequence[Sequence[str]] | None = None,
+                 env: dict[str, str] | None = None):
+        """Starts one `python command` per TF_CONFIG in `configs`.
+
+        Args:
+          command: the Python arguments (script or `-m module`, then its flags).
+          configs: one TF_CONFIG dict per worker.
+          grace_seconds: SIGTERM-to-SIGKILL delay of `stop`.
+          out: where the rank-prefixed output lines go.
+          prefixes: per worker, a command that runs Python (e.g. `ip netns exec NS`).
+          env: variables added to this process's environment for every worker.
+        """
         self.grace_seconds = grace_seconds
         self._out = out
         self._lock = threading.Lock()
         self.procs: list[subprocess.Popen] = []
         for rank, cfg in enumerate(configs):
-            env = dict(os.environ, TF_CONFIG=json.dumps(cfg), PYTHONUNBUFFERED="1")
-            proc = subprocess.Popen([sys.executable, *command], env=env, stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
+            wenv = dict(os.environ, **(env or {}), TF_CONFIG=json.dumps(cfg), PYTHONUNBUFFERED="1")
+            prefix = list(prefixes[rank]) if prefixes else []
+            proc = subprocess.Popen([*prefix, sys.executable, *command], env=wenv,
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
             self.procs.append(proc)
         self._threads = [threading.Thread(target=self._pump, args=(r, p), daemon=True)
                          for r, p in enumerate(self.procs)]
@@ -117,9 +130,17 @@ class Job:
             with self._lock:
                 print(f"[{rank}] {line}", file=self._out, flush=True)
 
-    def wait(self) -> int:
-        """Waits until all workers exit 0 (-> 0) or one fails (-> its code, others stopped)."""
+    def wait(self, timeout: float | None = None) -> int:
+        """Waits until all workers exit 0 (-> 0) or one fails (-> its code, others stopped).
+
+        Raises:
+          TimeoutError: after `timeout` seconds (if given), once every worker is stopped.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
         while True:
+            if deadline is not None and time.monotonic() > deadline:
+                self.stop()
+                raise TimeoutError(f"workers still running after {timeout:g} s; stopped them")
             codes = [p.poll() for p in self.procs]
             failed = [c for c in codes if c not in (None, 0)]
             if failed:

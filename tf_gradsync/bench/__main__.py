@@ -5,6 +5,7 @@ Suites (each a module of this package that defines its flags and `run()`):
                input, one intra-op thread), payload bytes and ratio.
   multiworker  median step time of a ~25M-parameter model on N local workers:
                stock MultiWorkerMirroredStrategy and ours, side by side, as ratios.
+  cluster      the same on workers in network namespaces behind rate-limited links (root).
 
 Results print as a markdown table; --json writes them to a file.
 """
@@ -17,12 +18,13 @@ import os
 
 from absl import app, flags
 
-from tf_gradsync.bench import micro, multiworker  # noqa: F401  (define their flags)
+from tf_gradsync.bench import cluster, micro, multiworker  # noqa: F401  (define their flags)
 
 #: Suite name -> module with `run() -> (rows, columns)`.
 SUITES = {
     "micro": "tf_gradsync.bench.micro",
     "multiworker": "tf_gradsync.bench.multiworker",
+    "cluster": "tf_gradsync.bench.cluster",
 }
 
 flags.DEFINE_list("compressors", None, "Compressor names (default: depends on the suite).")

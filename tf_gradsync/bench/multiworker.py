@@ -1,7 +1,8 @@
 """Step time of a large model on N local workers: stock MultiWorkerMirroredStrategy
 against tf_gradsync.MultiWorkerMirroredStrategy, each run started by the launcher.
 
-Worker entry point: `python -m tf_gradsync.bench.multiworker --mode=stock|<compressor>`.
+Worker entry point (also used by the `cluster` suite):
+`python -m tf_gradsync.bench.multiworker --mode=stock|compute|<compressor> [--ifname=IF]`.
 """
 
 from __future__ import annotations
@@ -16,18 +17,44 @@ import numpy as np
 from absl import flags
 
 flags.DEFINE_integer("workers", 2, "multiworker: number of local workers.")
-flags.DEFINE_integer("params", 25_000_000, "multiworker: model parameters.")
-flags.DEFINE_integer("steps", 10, "multiworker: timed steps per run.")
+flags.DEFINE_integer("params", 25_000_000, "multiworker, cluster: model parameters.")
+flags.DEFINE_integer("steps", 10, "multiworker, cluster: timed steps per run.")
 FLAGS = flags.FLAGS
 
 
-def worker(mode: str, params: int, steps: int, batch: int) -> dict:
+def worker(mode: str, params: int, steps: int, batch: int, ifname: str | None = None) -> dict:
+    """One worker's part of a run: a Dense layer of ~`params` weights, synthetic data.
+
+    Args:
+      mode: "stock" (tf.distribute.MultiWorkerMirroredStrategy), "compute" (the same
+        step with no communication at all), or a compressor name (ours).
+      params: model parameters (a square Dense layer, so rounded to a square).
+      steps: timed steps, after one untimed step that traces and warms up.
+      batch: examples per step.
+      ifname: a network interface whose kernel tx counter is read around the timed
+        steps (e.g. the worker's link inside its network namespace).
+
+    Returns:
+      `mode`, `params`, `median_s`; with `ifname`, `tx_bytes_per_step`; for ours,
+      `bytes_per_step` (`last_bytes_sent` of `ops.stats()`) and `payload_bytes` (the
+      payload tensors of one step's buckets, all rounds).
+    """
     import tensorflow as tf
     import tf_gradsync as gs
     tf.get_logger().setLevel("ERROR")
-    ops = None if mode == "stock" else gs.CompressedAllReduce(mode)
-    strategy = (tf.distribute.MultiWorkerMirroredStrategy() if mode == "stock"
-                else gs.MultiWorkerMirroredStrategy(cross_device_ops=ops))
+    ops, barrier = None, None
+    if mode == "stock":
+        strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    elif mode == "compute":
+        strategy = tf.distribute.get_strategy()
+        # The step communicates nothing; a multi-worker strategy only lines the workers
+        # up before timing, so that they compute at the same time (the contention for
+        # cores and memory bandwidth is part of the floor being measured).
+        if "TF_CONFIG" in os.environ:
+            barrier = tf.distribute.MultiWorkerMirroredStrategy()
+    else:
+        ops = gs.CompressedAllReduce(mode)
+        strategy = gs.MultiWorkerMirroredStrategy(cross_device_ops=ops)
     width = int(np.sqrt(params))
     with strategy.scope():
         model = tf.keras.Sequential([tf.keras.Input((width,)), tf.keras.layers.Dense(width)])
@@ -45,15 +72,47 @@ def worker(mode: str, params: int, steps: int, batch: int) -> dict:
         return strategy.reduce("SUM", strategy.run(fn), axis=None)
 
     step().numpy()
+    if barrier is not None:
+        barrier.reduce("SUM", barrier.run(lambda: tf.constant(1.0)), axis=None).numpy()
+    tx_start = _tx_bytes(ifname)
     times = []
     for _ in range(steps):
         start = time.perf_counter()
         step().numpy()
         times.append(time.perf_counter() - start)
     out = {"mode": mode, "params": model.count_params(), "median_s": float(np.median(times))}
+    if ifname:
+        out["tx_bytes_per_step"] = (_tx_bytes(ifname) - tx_start) / steps
     if ops is not None:
         out["bytes_per_step"] = ops.stats()["last_bytes_sent"]
+        out["payload_bytes"] = payload_bytes(
+            gs.compression.get(mode), [(v.shape, v.dtype) for v in model.trainable_variables],
+            ops.bucket_bytes)
     return out
+
+
+def payload_bytes(compressor, specs, bucket_bytes: int) -> int:
+    """Bytes of the payload tensors one replica produces for gradients of `specs`.
+
+    Computed apart from the pipeline's counters, by compressing each bucket of the
+    same plan once (every round, for multi-round compressors).
+    """
+    import tensorflow as tf
+    from tf_gradsync.bench import micro
+    from tf_gradsync.bucketing import plan_buckets
+    total = 0
+    for b in plan_buckets(specs, bucket_bytes).buckets:
+        _, sent = micro.roundtrip_fn(compressor, b.numel)(
+            tf.random.stateless_normal([b.numel], (3, b.id), dtype=b.dtype))
+        total += int(sent)
+    return total
+
+
+def _tx_bytes(ifname: str | None) -> int:
+    if not ifname:
+        return 0
+    with open(f"/sys/class/net/{ifname}/statistics/tx_bytes") as f:
+        return int(f.read())
 
 
 def run() -> tuple[list[dict], list[str]]:
@@ -90,5 +149,7 @@ if __name__ == "__main__":
     p.add_argument("--params", type=int, default=25_000_000)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--ifname", default=None)
     a = p.parse_args()
-    print("RESULT " + json.dumps(worker(a.mode, a.params, a.steps, a.batch)), flush=True)
+    print("RESULT " + json.dumps(worker(a.mode, a.params, a.steps, a.batch, a.ifname)),
+          flush=True)

@@ -1,0 +1,222 @@
+"""The cluster bench: namespaces, links and shaping, kernel byte counters, flag checks,
+clean-up, and a tiny end-to-end run checked against the byte arithmetic."""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tf_gradsync import launch
+from tf_gradsync.bench import __main__ as bench_main  # noqa: F401  (defines --compressors)
+from tf_gradsync.bench import cluster, netns
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+needs_root = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None
+                                or shutil.which("tc") is None,
+                                reason="network namespaces need root and iproute2")
+
+
+def names() -> set[str]:
+    """Every namespace and link name on the host that the bench could have made."""
+    ns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+    links = re.findall(r"^\d+:\s+([^:@\s]+)",
+                       subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout,
+                       re.M)
+    return {n for n in ns + links if n.startswith(netns.PREFIX)}
+
+
+def in_ns(net, i, *cmd, **kw):
+    return subprocess.run([*net.exec_prefix(i), *cmd], capture_output=True, text=True,
+                          timeout=60, **kw)
+
+
+def tx_bytes(net, i) -> int:
+    return int(in_ns(net, i, "cat", f"/sys/class/net/{net.interface}/statistics/tx_bytes").stdout)
+
+
+def run_suite(argv):
+    """cluster.run() with these flags (then back to the defaults)."""
+    flags = cluster.FLAGS
+    flags.unparse_flags()
+    flags(["bench", *argv])
+    try:
+        return cluster.run()
+    finally:
+        flags.unparse_flags()
+
+
+@pytest.mark.parametrize("text,bps", [("100mbit", 10**8), ("1gbit", 10**9), ("10Gbit", 10**10),
+                                      ("2.5gbit", 25 * 10**8), ("64kbit", 64_000)])
+def test_parse_rate(text, bps):
+    assert netns.parse_rate(text) == bps
+
+
+@pytest.mark.parametrize("text", ["fast", "10", "0mbit", "-1gbit", "1gbyte", "1 g bit", "1000gbit"])
+def test_bad_rate_names_the_value(text):
+    with pytest.raises(ValueError, match=re.escape(repr(text))):
+        netns.parse_rate(text)
+
+
+def test_suite_rejects_a_bad_rate_naming_it():
+    with pytest.raises(SystemExit) as e:
+        run_suite(["--rate=1gbit,fast"])
+    assert "--rate" in str(e.value.code) and "'fast'" in str(e.value.code)
+    assert "mbit" in str(e.value.code)   # says what is accepted
+
+
+def test_suite_without_root_says_so(monkeypatch):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(SystemExit) as e:
+        run_suite(["--rate=1gbit"])
+    assert "need root" in str(e.value.code)
+
+
+@needs_root
+def test_delay_fails_clearly_without_netem():
+    if netns.netem_available():
+        pytest.skip("this kernel has netem")
+    before = names()
+    with pytest.raises(SystemExit) as e:
+        run_suite(["--delay=5ms"])
+    assert "netem" in str(e.value.code) and "'5ms'" in str(e.value.code)
+    with pytest.raises(RuntimeError, match="netem"):
+        netns.Network(2, "1gbit", delay="5ms").setup()
+    with pytest.raises(SystemExit, match="bad delay 'soon'"):
+        run_suite(["--delay=soon"])
+    assert names() == before
+
+
+@needs_root
+def test_setup_and_teardown_leave_nothing_behind():
+    before = names()
+    with netns.Network(3, "1gbit") as net:
+        made = names() - before
+        assert set(net.namespaces) | set(net.bridge_ports) | {net.bridge} == made
+        for i, ns in enumerate(net.namespaces):
+            addr = subprocess.run(["ip", "-n", ns, "-o", "-4", "addr", "show", net.interface],
+                                  capture_output=True, text=True).stdout
+            assert f"inet {net.addresses[i]}/24" in addr
+        # A process left running in a namespace is killed with it.
+        sleeper = subprocess.Popen([*net.exec_prefix(1), "sleep", "600"])
+        time.sleep(0.2)
+    assert sleeper.wait(timeout=10) != 0
+    assert names() == before
+
+
+@needs_root
+@pytest.mark.parametrize("rate", ["100mbit", "2500mbit"])
+def test_both_ends_of_every_link_are_shaped_to_the_rate(rate):
+    with netns.Network(2, rate) as net:
+        for i in range(2):
+            for ns, dev in ((net.namespaces[i], net.interface), (None, net.bridge_ports[i])):
+                (q,) = netns.qdiscs(ns, dev)
+                assert q == {"kind": "tbf", "rate_bps": netns.parse_rate(rate)}
+
+
+_TCP = """
+import socket, sys
+role, addr, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+if role == "server":
+    s = socket.socket(); s.bind((addr, 5555)); s.listen(1); print("ready", flush=True)
+    c, _ = s.accept(); got = 0
+    while True:
+        b = c.recv(1 << 20)
+        if not b: break
+        got += len(b)
+    c.sendall(b"k"); print(got)
+else:
+    c = socket.create_connection((addr, 5555), timeout=30)
+    c.sendall(b"x" * n); c.shutdown(socket.SHUT_WR); c.recv(1)
+"""
+
+
+@needs_root
+def test_tcp_transfer_between_namespaces_shows_in_the_tx_counter(tmp_path):
+    script = tmp_path / "tcp.py"
+    script.write_text(_TCP)
+    sent = 20_000_000
+    with netns.Network(2, "1gbit") as net:
+        server = subprocess.Popen([*net.exec_prefix(1), sys.executable, str(script), "server",
+                                   net.addresses[1], "0"], stdout=subprocess.PIPE, text=True)
+        assert server.stdout.readline().strip() == "ready"
+        start = tx_bytes(net, 0)
+        client = in_ns(net, 0, sys.executable, str(script), "client", net.addresses[1], str(sent))
+        assert client.returncode == 0, client.stderr
+        assert int(server.communicate(timeout=30)[0]) == sent
+        wire = tx_bytes(net, 0) - start
+    # Headers (TCP/IP/Ethernet, per GSO segment) only add to the payload.
+    assert sent <= wire <= 1.15 * sent
+
+
+@needs_root
+def test_stale_leftovers_of_a_dead_run_are_removed_and_live_ones_kept():
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    tag = f"{netns.PREFIX}{dead.pid}z"
+    subprocess.run(["ip", "netns", "add", f"{tag}n0"], check=True)
+    subprocess.run(["ip", "link", "add", f"{tag}br", "type", "bridge"], check=True)
+    sleeper = subprocess.Popen(["ip", "netns", "exec", f"{tag}n0", "sleep", "600"])
+    time.sleep(0.2)
+    with netns.Network(2, "1gbit") as net:
+        removed = netns.cleanup_stale()
+        assert {f"{tag}n0", f"{tag}br"} <= set(removed)
+        left = names()
+        assert not any(n.startswith(tag) for n in left)
+        assert set(net.namespaces) <= left and net.bridge in left
+    assert sleeper.wait(timeout=10) != 0
+
+
+@needs_root
+def test_a_worker_that_dies_stops_the_others_and_a_hung_one_times_out(tmp_path):
+    script = tmp_path / "w.py"
+    script.write_text("import json, os, sys, time\n"
+                      "r = json.loads(os.environ['TF_CONFIG'])['task']['index']\n"
+                      "sys.exit(3) if r == 1 and len(sys.argv) > 1 else time.sleep(600)\n")
+    with netns.Network(2, "1gbit") as net:
+        prefixes = [net.exec_prefix(i) for i in range(2)]
+        configs = launch.tf_configs([f"{a}:1" for a in net.addresses])
+        start = time.monotonic()
+        job = launch.Job([str(script), "die"], configs, 1, prefixes=prefixes)
+        assert job.wait(timeout=60) == 3
+        job = launch.Job([str(script)], configs, 1, prefixes=prefixes)
+        with pytest.raises(TimeoutError):
+            job.wait(timeout=1)
+        assert all(p.poll() is not None for p in job.procs)
+        assert time.monotonic() - start < 30
+
+
+@needs_root
+@pytest.mark.slow
+def test_tiny_end_to_end_run(tmp_path):
+    before = names()
+    out = tmp_path / "rows.json"
+    env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2")
+    proc = subprocess.run(
+        [sys.executable, "-m", "tf_gradsync.bench", "cluster", "--cluster_workers=2",
+         "--rate=1gbit", "--params=100000", "--steps=3", "--compressors=fp16", f"--json={out}"],
+        env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "CPU cores shared by 2 workers" in proc.stderr
+    rows = json.loads(out.read_text())
+    assert [r["mode"] for r in rows] == ["compute-only", "stock MWMS", "fp16"]
+    assert all(set(cluster.COLUMNS) - {"stats_bytes", "wire_vs_stats"} <= set(r) for r in rows[1:])
+    params = rows[0]["params"]
+    assert params == 316 * 316 + 316
+    compute, stock, fp16 = rows
+    # Ring arithmetic for 2 workers, 2(N-1)/N = 1: each sends one payload per step.
+    assert stock["ring_bound"] == 4 * params
+    assert fp16["stats_bytes"] == fp16["ring_bound"] == 2 * params
+    # Kernel counters: the payload plus protocol overhead (TCP/IP headers, gRPC framing,
+    # the loss all-reduce: a few KiB per step); nothing crosses in compute-only steps.
+    overhead = 8192
+    for row, expected in ((stock, stock["ring_bound"]), (fp16, fp16["stats_bytes"])):
+        assert 0.85 * expected <= row["wire_bytes"] <= 1.15 * expected + overhead
+    assert compute["wire_bytes"] < 1024
+    assert stock["speedup"] == pytest.approx(1.0)
+    assert fp16["speedup"] == pytest.approx(stock["step_s"] / fp16["step_s"])
+    assert names() == before

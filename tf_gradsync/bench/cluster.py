@@ -1,0 +1,200 @@
+"""Step time on a simulated cluster: each worker in its own network namespace behind a
+rate-limited link (see `netns`), stock MultiWorkerMirroredStrategy against ours.
+
+Per (workers, rate): the compute-only floor (the same step with no communication, on N
+concurrent processes, since they share the cores and memory bandwidth), stock, then
+each compressor. Workers run `tf_gradsync.bench.multiworker`'s worker with a TF_CONFIG
+of namespace addresses and read their link's kernel tx counter around the timed steps.
+Needs root. Everything created (namespaces, links, bridge, processes) is removed on
+return, on error, on SIGINT/SIGTERM and at exit; leftovers of a killed run are removed
+at the next start.
+
+    python -m tf_gradsync.bench cluster --cluster_workers=2,4 --rate=100mbit,1gbit
+"""
+
+from __future__ import annotations
+
+import atexit
+import io
+import json
+import os
+import signal
+import sys
+from typing import Sequence
+
+from absl import flags
+
+from tf_gradsync import compression, launch
+from tf_gradsync.bench import multiworker, netns  # noqa: F401  (multiworker: --params, --steps)
+
+flags.DEFINE_list("cluster_workers", ["2", "4"], "cluster: worker counts.")
+flags.DEFINE_list("rate", ["1gbit"], "cluster: link rates, tc style (100mbit, 1gbit, 10gbit).")
+flags.DEFINE_string("delay", None, "cluster: one-way latency added to each link (needs netem).")
+flags.DEFINE_integer("cluster_timeout", 900, "cluster: seconds one run may take.")
+FLAGS = flags.FLAGS
+
+DEFAULT_COMPRESSORS = ("none", "fp16", "int8", "sign", "topk", "powersgd")
+COLUMNS = ["workers", "rate", "mode", "step_s", "speedup", "vs_compute", "stats_bytes",
+           "wire_bytes", "wire_vs_stats", "ring_bound", "wire_vs_bound", "cores", "load"]
+BATCH = 16
+_PORT = 20000   # every namespace has its own ports, so all workers can use the same one
+_ENV = {"TF_CPP_MIN_LOG_LEVEL": "2",
+        # glibc returning the large gradient buffers every step makes timings noisy.
+        "MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": "10000000000"}
+_live: list[netns.Network] = []   # to remove if the run is cut short (also kills workers)
+
+
+def run() -> tuple[list[dict], list[str]]:
+    """The suite: every (workers, rate), rows as described in the module docstring.
+
+    Exits with a message (status 1) for a bad flag, a missing privilege, or a delay
+    this kernel cannot apply.
+    """
+    try:
+        workers, rates, modes = _validate()
+    except (ValueError, PermissionError, RuntimeError) as e:
+        sys.exit(f"[bench] cluster: {e}")
+    for name in netns.cleanup_stale():
+        _log(f"removed {name}, left behind by an earlier run")
+    old = {s: signal.signal(s, _on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    atexit.register(_cleanup)
+    try:
+        rows = []
+        for n in workers:
+            for rate in rates:
+                rows += measure(n, rate, modes, FLAGS.params, FLAGS.steps, FLAGS.delay,
+                                FLAGS.cluster_timeout)
+        return rows, COLUMNS
+    finally:
+        _cleanup()
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def measure(n: int, rate: str, modes: Sequence[str], params: int, steps: int,
+            delay: str | None = None, timeout: float = 900) -> list[dict]:
+    """Rows for one network: compute-only, stock, then each of `modes` (compressors).
+
+    Args:
+      n: workers.
+      rate: link rate of every worker, tc style.
+      modes: compressor names.
+      params: model parameters.
+      steps: timed steps per run.
+      delay: one-way link latency (needs netem), or None.
+      timeout: seconds each run may take before its workers are stopped.
+
+    Returns:
+      One dict per mode with the keys of `COLUMNS`, and `params`.
+
+    Raises:
+      RuntimeError: if a run fails or times out (with the workers' last output).
+    """
+    cores = os.cpu_count() or 1
+    load = os.getloadavg()[0]
+    _log(f"{n} workers at {rate}: {cores} CPU cores shared by {n} workers (load average "
+         f"{load:.1f} before starting); step times include that contention")
+    rows = []
+    with netns.Network(n, rate, delay) as net:
+        _live.append(net)
+        for mode in ["compute", "stock", *modes]:
+            ranks = _job(net, mode, params, steps, timeout)
+            row = {"workers": n, "rate": rate,
+                   "mode": {"compute": "compute-only", "stock": "stock MWMS"}.get(mode, mode),
+                   "params": ranks[0]["params"], "cores": f"{cores}/{n}", "load": load,
+                   "step_s": sum(r["median_s"] for r in ranks) / n,
+                   "wire_bytes": round(sum(r["tx_bytes_per_step"] for r in ranks) / n)}
+            dense = 4 * row["params"]
+            if mode == "stock":
+                row["ring_bound"] = 2 * (n - 1) * dense // n
+            elif mode != "compute":
+                row["stats_bytes"] = ranks[0]["bytes_per_step"]
+                payload = ranks[0]["payload_bytes"]
+                # Summable payloads: a ring all-reduce; others: a ring all-gather.
+                row["ring_bound"] = (2 * (n - 1) * payload // n
+                                     if compression.get(mode).summable else (n - 1) * payload)
+                row["wire_vs_stats"] = row["wire_bytes"] / max(row["stats_bytes"], 1)
+            if "ring_bound" in row:
+                row["wire_vs_bound"] = row["wire_bytes"] / max(row["ring_bound"], 1)
+            rows.append(row)
+            _log(f"{n} workers at {rate}, {row['mode']}: {row['step_s']:.3f} s/step, "
+                 f"{row['wire_bytes']:,.0f} B/step on the wire")
+        _live.remove(net)
+    stock, compute = rows[1]["step_s"], rows[0]["step_s"]
+    for row in rows:
+        row["speedup"] = stock / row["step_s"]
+        row["vs_compute"] = row["step_s"] / compute
+    return rows
+
+
+def _job(net: netns.Network, mode: str, params: int, steps: int, timeout: float) -> list[dict]:
+    """Runs one mode on every worker of `net`; each rank's result dict, by rank."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(_ENV, PYTHONPATH=os.pathsep.join(
+        p for p in (root, os.environ.get("PYTHONPATH")) if p))
+    n = len(net.namespaces)
+    configs = launch.tf_configs([f"{a}:{_PORT}" for a in net.addresses])
+    cmd = ["-m", "tf_gradsync.bench.multiworker", f"--mode={mode}", f"--params={params}",
+           f"--steps={steps}", f"--batch={BATCH}", f"--ifname={net.interface}"]
+    _log(f"{' '.join(cmd[1:])} on {n} namespaces")
+    out = io.StringIO()
+    job = launch.Job(cmd, configs, grace_seconds=5, out=out,
+                     prefixes=[net.exec_prefix(i) for i in range(n)], env=env)
+    try:
+        code = job.wait(timeout)
+    except TimeoutError as e:
+        raise RuntimeError(f"{mode}: {e}\n{out.getvalue()[-3000:]}") from None
+    finally:
+        job.stop()   # a no-op once all exited; otherwise (e.g. on a signal) stops them
+    if code:
+        raise RuntimeError(f"{mode} failed with exit code {code}:\n{out.getvalue()[-3000:]}")
+    results = {}
+    for line in out.getvalue().splitlines():
+        rank, _, rest = line.partition("] RESULT ")
+        if rest:
+            results[int(rank.lstrip("["))] = json.loads(rest)
+    if sorted(results) != list(range(n)):
+        raise RuntimeError(f"{mode}: results from ranks {sorted(results)} of {n}:\n"
+                           f"{out.getvalue()[-3000:]}")
+    return [results[r] for r in range(n)]
+
+
+def _validate() -> tuple[list[int], list[str], list[str]]:
+    """Checks every flag and the environment before anything is created."""
+    workers = []
+    for w in FLAGS.cluster_workers:
+        if not w.isdigit() or not 2 <= int(w) <= 250:
+            raise ValueError(f"--cluster_workers: bad value {w!r}; give integers in [2, 250]")
+        workers.append(int(w))
+    for r in FLAGS.rate:
+        try:
+            netns.parse_rate(r)
+        except ValueError as e:
+            raise ValueError(f"--rate: {e}") from None
+    modes = list(FLAGS.compressors or [c for c in DEFAULT_COMPRESSORS if c in compression.names()])
+    for m in modes:
+        compression.get(m)   # ValueError naming the valid compressors
+    if FLAGS.params < 1 or FLAGS.steps < 1:
+        raise ValueError(f"--params and --steps must be >= 1, got {FLAGS.params}, {FLAGS.steps}")
+    netns.check_privileges()
+    if FLAGS.delay is not None:
+        netns.check_delay(FLAGS.delay)
+    return workers, list(FLAGS.rate), modes
+
+
+def _on_signal(signum, frame) -> None:
+    # Ignore repeats so that the clean-up the exit unwinds into is not cut short.
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, signal.SIG_IGN)
+    _log(f"got signal {signum}; stopping workers and removing the network")
+    raise SystemExit(128 + signum)
+
+
+def _cleanup() -> None:
+    """Removes every live network and kills what runs in it (idempotent)."""
+    while _live:
+        _live.pop().teardown()
+
+
+def _log(msg: str) -> None:
+    print(f"[bench] cluster: {msg}", file=sys.stderr, flush=True)
