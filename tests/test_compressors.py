@@ -14,7 +14,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import tf_gradsync as gs
 from tf_gradsync import compression as C
+from tf_gradsync.compression import _util
 
 FLOATS = [tf.float16, tf.bfloat16, tf.float32, tf.float64]
 SINGLE = [n for n in C.names() if not issubclass(type(C.get(n)), C.RoundCompressor)]
@@ -298,6 +300,7 @@ def test_error_feedback_rejects_own_memory(inner):
 EXPECTED_BYTES = {  # n = 1000 float32 (dense: 4000 bytes)
     "none": 4000, "fp16": 2000, "bf16": 2000, "int8": 1004, "qsgd": 1004, "terngrad": 254,
     "sign": 129, "onebit": 133, "topk": 80, "threshold": 80, "randomk": 40, "dgc": 8,
+    "adaptive": 800,   # starts critical: max_ratio = 10%
 }
 
 
@@ -321,6 +324,11 @@ def test_payload_bytes(name):
     ("qsgd", {"levels": 2.5}, "2.5"),
     ("powersgd", {"rank": 0}, "0"), ("powersgd", {"start_iter": -2}, "-2"),
     ("powersgd", {"min_compression_rate": 0.5}, "0.5"), ("powersgd", {"warm_start": 1}, "1"),
+    ("randomk", {"scale": 1}, "1"),
+    ("adaptive", {"min_ratio": 0}, "0"), ("adaptive", {"min_ratio": 1.5}, "1.5"),
+    ("adaptive", {"min_ratio": 0.2, "max_ratio": 0.1}, "0.1"), ("adaptive", {"max_ratio": 2}, "2"),
+    ("adaptive", {"threshold": 0}, "0"), ("adaptive", {"interval": 0}, "0"),
+    ("adaptive", {"interval": 2.5}, "2.5"),
 ])
 def test_argument_validation(name, kwargs, bad):
     with pytest.raises(ValueError, match=f"{list(kwargs)[-1]} must .*{bad}"):
@@ -410,3 +418,167 @@ def test_powersgd_dense_fallback_start_iter_and_nan():
     assert np.isnan(outs[0].numpy()).any()
     assert not states[0]["residual"].numpy().any()
     assert np.all(np.isfinite(states[0]["q"].numpy()))
+
+
+# ----------------------------------------------------------------- exact top-k
+def _topk_sets(mag, k):
+    """The fast path's indices, top_k's, and a stable numpy argsort's (lower index first)."""
+    fast = _util.top_k_indices(tf.constant(mag), k).numpy()
+    assert len(fast) == k
+    ref = np.argsort(-mag, kind="stable")[:k]
+    plain = tf.math.top_k(tf.constant(mag), k).indices.numpy()
+    return set(fast.tolist()), set(plain.tolist()), set(ref.tolist())
+
+
+@pytest.mark.parametrize("k", [1, 7, 1000, 12000])
+@pytest.mark.parametrize("kind", ["normal", "ties", "few_nonzero", "constant", "sampled_high"])
+def test_topk_fast_path_is_exact(kind, k):
+    n = 100_000
+    rng = np.random.default_rng(k)
+    if kind == "normal":
+        mag = np.abs(rng.standard_normal(n))
+    elif kind == "ties":           # ten distinct values: the k-th value is tied many times
+        mag = rng.integers(0, 10, n).astype(np.float64)
+    elif kind == "few_nonzero":    # fewer nonzeros than k for the larger k
+        mag = np.zeros(n)
+        mag[rng.choice(n, 500, replace=False)] = rng.random(500) + 1
+    elif kind == "constant":
+        mag = np.ones(n)
+    else:                          # the sample sees only large values: too few candidates
+        mag = rng.random(n)
+        pick = tf.random.stateless_uniform([1000], _util._TOPK_SEED, 0, n, dtype=tf.int32)
+        mag[pick.numpy()] = 10.0
+    mag = mag.astype(np.float32)
+    fast, plain, ref = _topk_sets(mag, k)
+    assert fast == plain
+    # top_k breaks ties towards lower indices, like a stable sort.
+    assert fast == ref
+
+
+def test_topk_compress_matches_plain_top_k_on_a_large_bucket():
+    x = rand(200_000, seed=11)
+    (values, idx), y = roundtrip(C.get("topk", ratio=0.01), x)
+    keep = np.argsort(-np.abs(x.numpy()), kind="stable")[:2000]
+    assert set(idx.numpy().tolist()) == set(keep.tolist())
+    ref = np.zeros(200_000, np.float32)
+    ref[keep] = x.numpy()[keep]
+    np.testing.assert_array_equal(y.numpy(), ref)
+
+
+# ----------------------------------------------------------------- random-k under error feedback
+def test_randomk_unscaled_and_error_feedback_form():
+    x = rand(100, seed=12)
+    c = C.get("randomk", ratio=0.1, scale=False)
+    assert not c.unbiased and c.for_error_feedback() is c
+    (values,), y = roundtrip(c, x)
+    nz = np.flatnonzero(y.numpy())
+    np.testing.assert_array_equal(y.numpy()[nz], x.numpy()[nz])      # not scaled by n / k
+    ef = C.ErrorFeedback("randomk")
+    assert ef.inner.scale is False and ef.summable
+    state = make_state(ef, 100)
+    residual = np.zeros(100, np.float32)
+    for step in range(50):
+        g = rand(100, seed=step).numpy()
+        _, y = roundtrip(ef, tf.constant(g), state, seed=(step, 3))
+        e = g + residual
+        kept = np.flatnonzero(y.numpy())
+        np.testing.assert_allclose(y.numpy()[kept], e[kept], rtol=1e-5, atol=1e-6)
+        residual = e - y.numpy()
+        np.testing.assert_allclose(state["residual"].numpy(), residual, atol=1e-5)
+    # Memory holds about k/n-th of a step's worth per coordinate: bounded, not growing.
+    assert np.linalg.norm(residual) < 20 * np.linalg.norm(rand(100).numpy())
+
+
+# ----------------------------------------------------------------- adaptive
+def _accordion(reduced, interval, threshold):
+    """Numpy model of the decision rule: the level (1: max_ratio) used at each step."""
+    level, prev, acc, count, levels = 1, -1.0, 0.0, 0, []
+    for g in reduced:
+        levels.append(level)
+        acc, count = acc + g, count + 1
+        if count == interval:
+            norm = float(np.linalg.norm(acc))
+            change = abs(norm - prev)
+            decided = level if prev < 0 else int(change >= threshold * prev and change > 0)
+            prev = norm if decided == level else -1.0
+            level, acc, count = decided, 0.0, 0
+    return levels
+
+
+def test_adaptive_ratio_follows_the_reduced_norm():
+    n, interval = 400, 3
+    c = C.get("adaptive", min_ratio=0.01, max_ratio=0.1, threshold=0.5, interval=interval)
+    state = make_state(c, n)
+    base = rand(n, seed=13).numpy()
+    scales = [1] * 12 + [3] * 9 + [3.2] * 9 + [0.5] * 12
+    reduced = [s * base for s in scales]
+    levels, sizes = [], []
+    for step, g in enumerate(reduced):
+        cx = ctx(state, step=step)
+        levels.append(int(c.variant(cx)))
+        payload, meta = c.compress(tf.constant(g), cx)
+        sizes.append(payload[0].shape[0])
+        c.observe(tf.constant(g), cx)
+    want = _accordion(reduced, interval, 0.5)
+    assert levels == want
+    assert set(levels) == {0, 1}          # moved between the bounds, both ways
+    assert sizes == [40 if lv else 4 for lv in levels]
+    # a non-finite reduction is left out of the interval
+    count = int(state["count"].numpy())
+    bad = np.full(n, np.nan, np.float32)
+    c.observe(tf.constant(bad), ctx(state))
+    assert int(state["count"].numpy()) == count and np.isfinite(state["accum"].numpy()).all()
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "collective"])
+def test_adaptive_decisions_identical_on_all_replicas(algorithm, devices):
+    interval, n = 2, 600
+    c = C.get("adaptive", min_ratio=0.01, max_ratio=0.1, threshold=0.3, interval=interval)
+    ops = gs.CompressedAllReduce(c, algorithm=algorithm, error_feedback=False,
+                                 timeout_seconds=60)
+    strategy = tf.distribute.MirroredStrategy(devices, cross_device_ops=ops)
+    scale = tf.Variable(1.0)
+
+    def fn():
+        r = tf.distribute.get_replica_context().replica_id_in_sync_group
+        return tf.distribute.get_replica_context().all_reduce(
+            tf.distribute.ReduceOp.SUM, scale * tf.random.stateless_normal([n], tf.stack([r, 5])))
+    step = tf.function(lambda: strategy.run(fn))
+    xs = [tf.random.stateless_normal([n], [r, 5]).numpy() for r in range(4)]
+    reduced, levels = [], []
+    for s in [1, 1, 1, 1, 1, 1, 4, 4, 4, 4, 4, 4, 4, 4]:
+        scale.assign(s)
+        out = [v.numpy() for v in strategy.experimental_local_results(step())]
+        state = ops._state.values()
+        level = [int(state[k]) for k in sorted(state) if k.endswith("_level")]
+        assert len(level) == 4 and len(set(level)) == 1          # one decision everywhere
+        for o in out[1:]:
+            np.testing.assert_array_equal(out[0], o)
+        # the reduction used this step's ratio: the sum of each replica's top k
+        k = 60 if (levels[-1] if levels else 1) else 6
+        want = np.zeros(n, np.float32)
+        for x in xs:
+            keep = np.argsort(-np.abs(s * x), kind="stable")[:k]
+            want[keep] += s * x[keep]
+        np.testing.assert_allclose(out[0], want, rtol=1e-5, atol=1e-6)
+        reduced.append(out[0])
+        levels.append(level[0])
+    # levels[i] is the decision after step i, i.e. the level of step i + 1
+    assert [1] + levels[:-1] == _accordion(reduced, interval, 0.3)
+    assert set(levels) == {0, 1}
+
+
+def test_adaptive_inner_and_error_feedback():
+    with pytest.raises(ValueError, match="sparsifying inner compressor, got 'sign'; valid: "
+                                         "randomk, threshold, topk"):
+        C.get("adaptive", inner="sign")
+    with pytest.raises(ValueError, match="got QSGD"):
+        C.get("adaptive", inner=C.get("qsgd"))
+    c = C.get("adaptive", inner=C.get("threshold", sample_ratio=0.5), min_ratio=0.1, max_ratio=0.2)
+    assert [v.ratio for v in c.variants] == [0.1, 0.2]
+    assert all(v.sample_ratio == 0.5 for v in c.variants)
+    r = C.get("adaptive", inner="randomk")
+    assert r.unbiased and not r.summable and r.num_variants == 2
+    ef = C.ErrorFeedback(r)
+    assert all(not v.scale for v in ef.inner.variants)
+    assert C.get("adaptive", min_ratio=0.05, max_ratio=0.05).num_variants == 1

@@ -153,7 +153,7 @@ class Pipeline:
         n = len(src) * self.num_workers
         seed = tf.stack([tf.cast(step, tf.int64),
                          tf.constant(int(plan.fingerprint, 16) + bucket.id, tf.int64)])
-        payloads, metas, ctxs = [], [], []
+        payloads, metas, ctxs, variants = [], [], [], []
         for r, d in enumerate(src):
             with tf.device(d), tf.name_scope("compress"):
                 x = xs[r]
@@ -165,12 +165,15 @@ class Pipeline:
                 first = compressor.first_round if isinstance(compressor, RoundCompressor) \
                     else compressor.compress
                 payload, meta = first(x, ctxs[r])
+                variants.append(compressor.variant(ctxs[r]))
             payloads.append(list(payload))
             metas.append(meta)
         if isinstance(compressor, RoundCompressor):
             return self._rounds(compressor, reduce_op, payloads, metas, ctxs, src, dests, wire,
                                 timeout)
-        exchanged = self._exchange(payloads, src, compressor.summable, wire, timeout)
+        # A payload whose layout changes at run time: say which one, per device.
+        variant = None if variants[0] is None else (variants, compressor.num_variants)
+        exchanged = self._exchange(payloads, src, compressor.summable, wire, timeout, variant)
         outputs = []
         for d in dests:
             k = src.index(d) if d in src else 0
@@ -191,6 +194,9 @@ class Pipeline:
                     # and lets replicas drift apart by a rounding error per step.
                     y = parts[0] if len(parts) == 1 else tf.reduce_sum(tf.stack(parts), 0)
                 outputs.append(_finish(y, reduce_op, n, compressor.prescale))
+            if d in src:    # the reduced result is identical everywhere: state stays in step
+                with tf.device(d), tf.name_scope("observe"):
+                    compressor.observe(outputs[-1], ctxs[k])
         return outputs
 
     def _rounds(self, compressor: RoundCompressor, reduce_op, payloads, carries, ctxs,
@@ -212,19 +218,25 @@ class Pipeline:
             with tf.device(d), tf.name_scope("finish"):
                 finished.append(_finish(compressor.finish(reduced[r], carries[r], ctxs[r]),
                                         reduce_op, n, compressor.prescale))
+                compressor.observe(finished[-1], ctxs[r])
         # A destination outside the ring receives the reconstruction: the carry that
         # finishing needs is local to each replica.
         return [finished[src.index(d)] if d in src else wire.send(finished[0], d) for d in dests]
 
     def _exchange(self, payloads: list[list[tf.Tensor]], devices: tuple[str, ...],
-                  summable: bool, wire: Wire, timeout: float) -> list:
-        """Runs the communication algorithm over one bucket's payloads."""
+                  summable: bool, wire: Wire, timeout: float, variant=None) -> list:
+        """Runs the communication algorithm over one bucket's payloads.
+
+        `variant`: None, or (per-device int32 index, count) of a run-time payload
+        layout (`Compressor.variant`); collectives need one instance per layout."""
         if self.num_workers > 1:
-            return self._exchange_across_workers(payloads, devices, summable, wire, timeout)
-        return self._exchange_local(payloads, devices, summable, wire, timeout, self.algorithm)
+            return self._exchange_across_workers(payloads, devices, summable, wire, timeout,
+                                                 variant)
+        return self._exchange_local(payloads, devices, summable, wire, timeout, self.algorithm,
+                                    variant)
 
     @staticmethod
-    def _exchange_local(payloads, devices, summable, wire, timeout, algorithm):
+    def _exchange_local(payloads, devices, summable, wire, timeout, algorithm, variant=None):
         """Among the devices of this process; `algorithm` may be "auto"."""
         n = len(devices)
         if n == 1:
@@ -234,12 +246,14 @@ class Pipeline:
                 if None not in static else 1 << 62)
         algo = algorithms.choose(algorithm, size, n)
         kwargs = {"timeout": timeout} if algo is algorithms.collective else {}
+        if variant is not None and algo is algorithms.collective:
+            kwargs["variant"] = variant
         with tf.name_scope(algo.__name__.rsplit(".", 1)[-1]):
             if summable:
                 return algo.all_reduce(payloads, devices, wire, **kwargs)
             return algo.all_gather(payloads, devices, wire, **kwargs)
 
-    def _exchange_across_workers(self, payloads, devices, summable, wire, timeout):
+    def _exchange_across_workers(self, payloads, devices, summable, wire, timeout, variant=None):
         """Hierarchical for summable payloads: reduce among local devices, one compressed
         exchange between workers' first devices, then a local broadcast. Gathered payloads
         go through one all-gather over every device of every worker."""
@@ -248,7 +262,7 @@ class Pipeline:
             with tf.name_scope("collective"):
                 return algorithms.collective.all_gather(
                     payloads, devices, wire, group_size=n * workers, timeout=timeout,
-                    role=("all", n, workers))
+                    role=("all", n, workers), variant=variant)
         # The local stage uses in-process transfers; collectives are for the workers.
         local_algorithm = "auto" if self.algorithm == "collective" else self.algorithm
         local = self._exchange_local(payloads, devices, True, wire, timeout, local_algorithm)

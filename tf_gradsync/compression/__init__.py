@@ -4,6 +4,7 @@ from tf_gradsync.compression.base import (Compressor, Context, RoundCompressor, 
                                           nbytes, register)
 # Importing the modules registers their compressors.
 from tf_gradsync.compression.none import NoCompression
+from tf_gradsync.compression.adaptive import Adaptive
 from tf_gradsync.compression.cast import BFloat16, Float16
 from tf_gradsync.compression.dgc import DGC
 from tf_gradsync.compression.error_feedback import ErrorFeedback
@@ -18,7 +19,7 @@ from tf_gradsync.compression.threshold import Threshold
 from tf_gradsync.compression.topk import TopK
 
 __all__ = [
-    "BFloat16", "Compressor", "Context", "DGC", "ErrorFeedback", "Float16", "Int8", "NoCompression",
-    "OneBit", "PowerSGD", "QSGD", "RandomK", "RoundCompressor", "Sign", "StateSpec", "TernGrad",
-    "Threshold", "TopK", "get", "names", "nbytes", "register",
+    "Adaptive", "BFloat16", "Compressor", "Context", "DGC", "ErrorFeedback", "Float16", "Int8",
+    "NoCompression", "OneBit", "PowerSGD", "QSGD", "RandomK", "RoundCompressor", "Sign",
+    "StateSpec", "TernGrad", "Threshold", "TopK", "get", "names", "nbytes", "register",
 ]

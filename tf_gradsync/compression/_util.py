@@ -71,6 +71,49 @@ def scatter(values: tf.Tensor, indices: tf.Tensor, n: int, dtype: tf.DType) -> t
     return tf.scatter_nd(indices[:, None], tf.cast(values, dtype), [n])
 
 
+_TOPK_SEED = (0x746F, 0x706B)   # any fixed seed: the result does not depend on it
+
+
+def top_k_indices(mag: tf.Tensor, k: int, full: tf.Tensor | bool = False,
+                  min_numel: int = 1 << 15) -> tf.Tensor:
+    """Exactly `tf.math.top_k(mag, k).indices` (as a set), without ranking a large bucket.
+
+    The `r`-th largest of a random sample of 1% of `mag` (at least 1000 entries), with
+    `r` about twice the expected number of sampled top-k entries plus a margin, is a
+    threshold that at least k entries almost surely reach. When at least k do, the
+    top k of those candidates are the top k of the bucket: every entry at or above
+    the k-th largest value is a candidate, and candidates keep their index order, so
+    ties resolve as in `tf.math.top_k` (lower index first). Otherwise (or when `full`
+    is true, e.g. for non-finite input) the whole bucket is ranked.
+
+    Args:
+      mag: 1-D magnitudes, static length n.
+      k: number of indices, 1 <= k <= n.
+      full: bool scalar tensor (or Python bool): rank the whole bucket.
+      min_numel: buckets shorter than this are ranked whole.
+
+    Returns:
+      int32 [k] indices, in no particular order.
+    """
+    n = numel(mag)
+    s = max(1000, n // 100)
+    expected = s * k / n
+    r = math.ceil(2 * expected + 4 * math.sqrt(expected) + 8)
+    if n < min_numel or 2 * r > s:
+        return tf.math.top_k(mag, k, sorted=False).indices
+    pick = tf.random.stateless_uniform([s], _TOPK_SEED, 0, n, dtype=tf.int32)
+    thr = tf.math.top_k(tf.gather(mag, pick), r, sorted=True).values[r - 1]
+    cand = tf.cast(tf.where(mag >= thr)[:, 0], tf.int32)
+
+    def among_candidates():
+        return tf.gather(cand, tf.math.top_k(tf.gather(mag, cand), k, sorted=False).indices)
+
+    def everything():
+        return tf.math.top_k(mag, k, sorted=False).indices
+    enough = (tf.size(cand) >= k) & tf.logical_not(full)
+    return tf.ensure_shape(tf.cond(enough, among_candidates, everything), [k])
+
+
 def select(mag: tf.Tensor, k, seed: tf.Tensor, sample_ratio: float,
            min_sample: int = 1000) -> tuple[tf.Tensor, tf.Tensor]:
     """Indices of (about) the `k` largest entries of `mag` >= 0, without a full top-k.

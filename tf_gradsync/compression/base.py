@@ -105,6 +105,45 @@ class Compressor(abc.ABC):
         """Bytes of `payload`, computed from the tensors themselves (int64 scalar)."""
         return nbytes(payload)
 
+    #: How many fixed payload layouts `compress` chooses among at run time (see `variant`).
+    num_variants: int = 1
+
+    def variant(self, ctx: Context) -> tf.Tensor | None:
+        """Which payload layout this step's payload has, or None for a static payload.
+
+        A compressor whose payload size changes at run time picks among
+        `num_variants` layouts of fixed shapes and returns the int32 index of this
+        step's pick. It must be equal on every replica and worker (derive it from
+        state updated by `observe`). Collective ops fix a tensor's shape per
+        collective instance, so the exchange uses one instance per layout. Such
+        payloads are all-gathered: a compressor with variants is not summable.
+        """
+        del ctx
+        return None
+
+    def observe(self, reduced: tf.Tensor, ctx: Context) -> None:
+        """Sees the final reduced bucket of this step (a no-op by default).
+
+        The pipeline calls it on every source replica with the reduced result, which
+        is identical on every replica and worker, so state updated from it (e.g.
+        for `variant`) stays identical everywhere. It runs after this step's
+        `compress`; what it stores affects the next step.
+
+        Args:
+          reduced: the reduced flat bucket (sum or mean, as requested).
+          ctx: this replica's `Context` for the bucket.
+        """
+        del reduced, ctx
+
+    def for_error_feedback(self) -> "Compressor":
+        """The form of this compressor to use under error feedback (itself by default).
+
+        Error feedback needs a reconstruction no larger than its input; an unbiased
+        sparsifier that scales kept values up (random-k by n / k) returns its
+        unscaled form here.
+        """
+        return self
+
     def check_input(self, x: tf.Tensor) -> None:
         """Raises ValueError for input this compressor cannot handle."""
         if x.shape.rank != 1:

@@ -25,7 +25,10 @@ class ErrorFeedback(Compressor):
     Uses only the inner compressor's public interface. Its state variables are kept
     under names prefixed with `inner_`, next to the float32 (float64 for float64
     input) `residual`. `summable`, `prescale`, `floating_only`, the payload and its
-    size are the inner compressor's; the result is biased (it is delayed, not lost).
+    size, its payload variants (`variant`) and what it `observe`s are the inner
+    compressor's; the result is biased (it is delayed, not lost). The inner
+    compressor is used in its `for_error_feedback` form: random-k, for one, then
+    drops its n / k scaling, which would make the residual grow without bound.
     If the new residual is not finite (a NaN/Inf gradient), it is reset to zero so
     one bad step does not poison later ones, while the payload still carries the
     non-finite values to every replica, as a plain all-reduce would.
@@ -48,7 +51,7 @@ class ErrorFeedback(Compressor):
     unbiased = False
 
     def __init__(self, inner: Compressor | str):
-        inner = get(inner)
+        inner = get(inner).for_error_feedback()
         if isinstance(inner, RoundCompressor) or inner.has_own_memory:
             raise ValueError(f"ErrorFeedback cannot wrap {inner!r}: multi-round compressors and "
                              "compressors with their own memory (has_own_memory) keep their own "
@@ -57,6 +60,7 @@ class ErrorFeedback(Compressor):
         self.summable = inner.summable
         self.prescale = inner.prescale
         self.floating_only = inner.floating_only
+        self.num_variants = inner.num_variants
 
     def state_spec(self, numel: int, dtype: tf.DType) -> dict[str, StateSpec]:
         """The inner state (names prefixed `inner_`) plus `residual` [numel]."""
@@ -67,13 +71,16 @@ class ErrorFeedback(Compressor):
     def check_input(self, x: tf.Tensor) -> None:
         self.inner.check_input(x)
 
+    @staticmethod
+    def _inner_ctx(ctx: Context) -> Context:
+        state = {k[len(_INNER):]: v for k, v in ctx.state.items() if k.startswith(_INNER)}
+        return dataclasses.replace(ctx, state=state)
+
     def compress(self, x: tf.Tensor, ctx: Context):
         """Compresses x + residual with the inner compressor; stores the new residual."""
         residual = ctx.state["residual"]
         e = tf.cast(x, residual.dtype) + residual
-        inner_state = {k[len(_INNER):]: v for k, v in ctx.state.items() if k.startswith(_INNER)}
-        payload, meta = self.inner.compress(tf.cast(e, x.dtype),
-                                            dataclasses.replace(ctx, state=inner_state))
+        payload, meta = self.inner.compress(tf.cast(e, x.dtype), self._inner_ctx(ctx))
         new = e - tf.cast(self.inner.decompress(payload, meta), residual.dtype)
         residual.assign(tf.where(tf.reduce_all(tf.math.is_finite(new)), new, 0))
         return payload, meta
@@ -83,3 +90,9 @@ class ErrorFeedback(Compressor):
 
     def payload_bytes(self, payload: Sequence[tf.Tensor]) -> tf.Tensor:
         return self.inner.payload_bytes(payload)
+
+    def variant(self, ctx: Context) -> tf.Tensor | None:
+        return self.inner.variant(self._inner_ctx(ctx))
+
+    def observe(self, reduced: tf.Tensor, ctx: Context) -> None:
+        self.inner.observe(reduced, self._inner_ctx(ctx))

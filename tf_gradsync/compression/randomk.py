@@ -32,15 +32,20 @@ class RandomK(Compressor):
     bytes) and is summed on the wire; decompression recomputes the coordinates from
     the seed kept in the metadata and scales by n / k, which makes the estimate
     unbiased. The n / k scaling happens after the sum, in float32 (float64 for float64
-    input), so 16-bit payloads cannot overflow from it. Coordinates come from
+    input), so 16-bit payloads cannot overflow from it. With `scale=False` the kept
+    values are returned as they are: biased, but never larger than the input, which
+    is what error feedback needs (n / k times the kept values would make the residual
+    grow without bound); `ErrorFeedback` switches to this form by itself
+    (`for_error_feedback`), as in Stich et al.'s rand-k with memory. Coordinates come from
     `tf.random.experimental.index_shuffle`, which runs on the host (CPU kernel only);
     it is integer arithmetic, so every device gets the same coordinates.
 
     Args:
       ratio: fraction of entries kept, in (0, 1].
+      scale: multiply by n / k on decompression (unbiased); False: biased, unscaled.
 
     Raises:
-      ValueError: if `ratio` is outside (0, 1].
+      ValueError: if `ratio` is outside (0, 1] or `scale` is not a bool.
 
     Example:
       >>> c = tf_gradsync.compression.get("randomk", ratio=0.01)
@@ -49,9 +54,16 @@ class RandomK(Compressor):
     summable = True
     unbiased = True
 
-    def __init__(self, ratio: float = 0.01):
+    def __init__(self, ratio: float = 0.01, scale: bool = True):
         _util.check_number("ratio", ratio, 0, 1, low_open=True)
-        self.ratio = ratio
+        if not isinstance(scale, bool):
+            raise ValueError(f"scale must be a bool (True or False), got {scale!r}")
+        self.ratio, self.scale = ratio, scale
+        self.unbiased = scale
+
+    def for_error_feedback(self) -> "RandomK":
+        """The unscaled (biased, contractive) form, for use under error feedback."""
+        return RandomK(self.ratio, scale=False) if self.scale else self
 
     def compress(self, x: tf.Tensor, ctx: Context):
         """Returns `((values,), (n, k, dtype, seed))`."""
@@ -62,8 +74,10 @@ class RandomK(Compressor):
         return (values,), (n, k, x.dtype, seed)
 
     def decompress(self, payload: Sequence[tf.Tensor], meta) -> tf.Tensor:
-        """Scatters the (summed) values to the seeded coordinates, times n / k."""
+        """Scatters the (summed) values to the seeded coordinates, times n / k if `scale`."""
         n, k, dtype, seed = meta
         wd = _util.work_dtype(dtype)
-        values = tf.cast(payload[0], wd) * tf.constant(n / k, wd)
+        values = tf.cast(payload[0], wd)
+        if self.scale:
+            values *= tf.constant(n / k, wd)
         return tf.cast(_util.scatter(values, _indices(seed, n, k), n, wd), dtype)

@@ -7,6 +7,7 @@ References:
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import tensorflow as tf
@@ -22,7 +23,9 @@ class TopK(Compressor):
     Payload: `(values, indices)` with values in the input dtype and int32 indices,
     k * (itemsize + 4) bytes. Payloads are all-gathered (different replicas pick
     different coordinates). Biased; wrap in `ErrorFeedback` to recover convergence.
-    A non-finite input turns every sent value into NaN.
+    A non-finite input turns every sent value into NaN. The selection is exact (the
+    entries `tf.math.top_k` picks); large buckets rank only the entries above a
+    threshold estimated from a sample, and rank everything when too few pass it.
 
     Args:
       ratio: fraction of entries kept, in (0, 1].
@@ -47,9 +50,10 @@ class TopK(Compressor):
         n = _util.numel(x)
         k = _util.count(self.ratio, n)
         wd = _util.work_dtype(x.dtype)
-        idx = tf.math.top_k(tf.abs(tf.cast(x, wd)), k, sorted=False).indices
-        values = tf.gather(x, idx) + tf.cast(_util.poison(x), x.dtype)
-        return (values, idx), (n, x.dtype)
+        finite = tf.reduce_all(tf.math.is_finite(x))
+        idx = _util.top_k_indices(tf.abs(tf.cast(x, wd)), k, full=~finite)
+        bad = tf.where(finite, tf.constant(0, x.dtype), tf.constant(math.nan, x.dtype))
+        return (tf.gather(x, idx) + bad, idx), (n, x.dtype)
 
     def decompress(self, payload: Sequence[tf.Tensor], meta) -> tf.Tensor:
         """Scatters the values into zeros of the bucket's length and dtype."""
