@@ -13,7 +13,7 @@ import tensorflow as tf
 import tf_gradsync as gs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STEPS = 40
+STEPS = 30
 OPTIONS = {"topk": {"ratio": 0.05}, "randomk": {"ratio": 0.1}, "threshold": {"ratio": 0.05},
            "dgc": {"ratio": 0.05}, "powersgd": {"rank": 2}}
 

@@ -1,0 +1,67 @@
+"""A NaN/Inf gradient on one replica propagates like a stock all-reduce, so Keras'
+mixed-precision loss scaling skips that step, and no state stays poisoned."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_gradsync as gs
+import train_digits  # examples/train_digits.py
+
+BAD_BATCH = 2
+
+
+@pytest.fixture(scope="module")
+def data():
+    x, _, y, _ = train_digits.load_data(0)
+    x, y = x[:320].copy(), y[:320]
+    x[64 * BAD_BATCH + 3, 5] = np.inf     # one sample in replica 0's shard of batch 2
+    return x, y
+
+
+def _fit(ops, data, devices):
+    x, y = data
+    strategy = tf.distribute.MirroredStrategy(
+        devices, cross_device_ops=ops or tf.distribute.ReductionToOneDevice())
+    tf.keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        with strategy.scope():
+            model = train_digits.build_model(tf.keras, seed=3)
+            model.compile(tf.keras.optimizers.SGD(0.1),
+                          tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    finally:
+        tf.keras.mixed_precision.set_global_policy("float32")
+    assert isinstance(model.optimizer, tf.keras.mixed_precision.LossScaleOptimizer)
+    snaps = []
+
+    class Snap(tf.keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            snaps.append(([w.copy() for w in model.get_weights()],
+                          float(model.optimizer.dynamic_scale.numpy())))
+
+    model.fit(x, y, batch_size=64, epochs=1, shuffle=False, verbose=0, callbacks=[Snap()])
+    moved = [max(float(np.abs(a - b).max()) for a, b in zip(snaps[i][0], snaps[i - 1][0]))
+             for i in range(1, len(snaps))]
+    return moved, [s for _, s in snaps], model
+
+
+@pytest.fixture(scope="module")
+def stock(data):
+    return _fit(None, data, [f"/cpu:{i}" for i in range(4)])
+
+
+@pytest.mark.parametrize("name", [n for n in gs.compression.names() if n != "none"])
+def test_nonfinite_gradient_skips_the_step_like_stock(name, data, stock, devices):
+    stock_moved, stock_scales, _ = stock
+    assert stock_moved[BAD_BATCH - 1] == 0 and min(np.delete(stock_moved, BAD_BATCH - 1)) > 0
+
+    ops = gs.CompressedAllReduce(name)
+    moved, scales, model = _fit(ops, data, devices)
+    # The same step is skipped (the loss scaler saw a non-finite all-reduce result) and
+    # the loss scale drops at the same point; every other step trains.
+    assert moved[BAD_BATCH - 1] == 0, moved
+    assert min(np.delete(moved, BAD_BATCH - 1)) > 0, moved
+    assert scales == stock_scales
+    assert all(np.isfinite(w).all() for w in model.get_weights())
+    for key, value in ops._state.values().items():
+        assert np.isfinite(value).all(), key
