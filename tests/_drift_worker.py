@@ -10,6 +10,7 @@ import sys
 import numpy as np
 import tensorflow as tf
 
+import _regression  # tests/_regression.py, next to this script
 import tf_gradsync as gs
 
 
@@ -17,21 +18,9 @@ def main(out: str, compression: str, options: str, steps: int) -> None:
     rank = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
     ops = gs.CompressedAllReduce(gs.compression.get(compression, **json.loads(options)))
     strategy = gs.MultiWorkerMirroredStrategy(cross_device_ops=ops)
-    with strategy.scope():
-        tf.keras.utils.set_random_seed(0)
-        model = tf.keras.Sequential([tf.keras.Input((16,)), tf.keras.layers.Dense(64, "tanh"),
-                                     tf.keras.layers.Dense(4)])
-        opt = tf.keras.optimizers.SGD(0.05, momentum=0.9)
+    model, opt = _regression.model_and_optimizer(strategy, 16, 4)
+    step = _regression.train_step(strategy, model, opt)
     rng = np.random.default_rng(100 + rank)   # each worker sees different data
-
-    @tf.function
-    def step(bx, by):
-        def fn(bx, by):
-            with tf.GradientTape() as tape:
-                loss = tf.reduce_mean((model(bx) - by) ** 2)
-            grads = tape.gradient(loss, model.trainable_variables)
-            opt.apply_gradients(zip(grads, model.trainable_variables))
-        strategy.run(fn, (bx, by))
 
     prints = []
     for _ in range(steps):

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import _regression  # tests/_regression.py
 import tf_gradsync as gs
 import train_digits  # examples/train_digits.py
 
@@ -129,20 +130,8 @@ def test_tf_train_checkpoint_custom_loop_resumes_exactly(devices, tmp_path):
     def setup():
         ops = gs.CompressedAllReduce(gs.compression.get("powersgd", rank=2))
         strategy = tf.distribute.MirroredStrategy(devices, cross_device_ops=ops)
-        with strategy.scope():
-            tf.keras.utils.set_random_seed(5)
-            model = tf.keras.Sequential([tf.keras.Input((12,)), tf.keras.layers.Dense(48, "tanh"),
-                                         tf.keras.layers.Dense(4)])
-            opt = tf.keras.optimizers.SGD(0.05, momentum=0.9)
-
-        @tf.function
-        def step(bx, by):
-            def fn(bx, by):
-                with tf.GradientTape() as tape:
-                    loss = tf.reduce_mean((model(bx) - by) ** 2)
-                grads = tape.gradient(loss, model.trainable_variables)
-                opt.apply_gradients(zip(grads, model.trainable_variables))
-            strategy.run(fn, (bx, by))
+        model, opt = _regression.model_and_optimizer(strategy, 12, 4, hidden=48, seed=5)
+        step = _regression.train_step(strategy, model, opt)
 
         def run(steps):
             ds = strategy.experimental_distribute_dataset(

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import _regression  # tests/_regression.py
 import tf_gradsync as gs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -31,25 +32,13 @@ def test_replicas_hold_identical_weights_after_every_step(name, algorithm, devic
     ops = gs.CompressedAllReduce(gs.compression.get(name, **OPTIONS.get(name, {})),
                                  algorithm=algorithm, bucket_bytes=4096)
     strategy = tf.distribute.MirroredStrategy(devices, cross_device_ops=ops)
-    with strategy.scope():
-        tf.keras.utils.set_random_seed(0)
-        model = tf.keras.Sequential([tf.keras.Input((16,)), tf.keras.layers.Dense(64, "tanh"),
-                                     tf.keras.layers.Dense(4)])
-        opt = tf.keras.optimizers.SGD(0.05, momentum=0.9)
+    model, opt = _regression.model_and_optimizer(strategy, 16, 4)
+    step = _regression.train_step(strategy, model, opt)
 
     def per_replica_batch(ctx):   # different data on every replica
         r = ctx.replica_id_in_sync_group
         return (tf.random.stateless_normal([8, 16], [r, step_no]),
                 tf.random.stateless_normal([8, 4], [r + 100, step_no]))
-
-    @tf.function
-    def step(bx, by):
-        def fn(bx, by):
-            with tf.GradientTape() as tape:
-                loss = tf.reduce_mean((model(bx) - by) ** 2)
-            grads = tape.gradient(loss, model.trainable_variables)
-            opt.apply_gradients(zip(grads, model.trainable_variables))
-        strategy.run(fn, (bx, by))
 
     first = None
     for step_no in range(STEPS):
