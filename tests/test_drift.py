@@ -2,18 +2,15 @@
 bit-identical weights, including with per-step random and adaptive decisions."""
 
 import json
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import _regression  # tests/_regression.py
+import _worker  # tests/_worker.py
 import tf_gradsync as gs
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 30
 OPTIONS = {"topk": {"ratio": 0.05}, "randomk": {"ratio": 0.1}, "threshold": {"ratio": 0.05},
            "dgc": {"ratio": 0.05}, "powersgd": {"rank": 2}}
@@ -59,13 +56,8 @@ def test_replicas_hold_identical_weights_after_every_step(name, algorithm, devic
 @pytest.mark.parametrize("name", [n for n in ("randomk", "adaptive", "qsgd")
                                   if n in gs.compression.names()])
 def test_workers_hold_identical_weights_after_every_step(name, tmp_path):
-    cmd = [sys.executable, "-m", "tf_gradsync.launch", "--num_workers=2", "--grace_seconds=3",
-           "--", os.path.join(ROOT, "tests", "_drift_worker.py"), str(tmp_path), name,
-           json.dumps(OPTIONS.get(name, {})), str(STEPS)]
-    env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2")
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    runs = [json.loads((tmp_path / f"fingerprints_{r}.json").read_text()) for r in range(2)]
+    runs = _worker.launch(tmp_path, f"--compression={name}",
+                          f"--options={json.dumps(OPTIONS.get(name, {}))}", f"--steps={STEPS}")
     assert len(runs[0]["fingerprints"]) == STEPS
     for s, (a, b) in enumerate(zip(runs[0]["fingerprints"], runs[1]["fingerprints"])):
         assert a == b, f"workers differ after step {s}"

@@ -1,0 +1,75 @@
+"""Worker of the multi-worker tests: trains a small regression model with a custom loop
+under tf_gradsync.MultiWorkerMirroredStrategy and writes, to <out>/worker_<rank>.json,
+a fingerprint of the weights (their exact bytes, hashed) after every step, the final
+weights and the ops' statistics. Optionally resumes from and saves a tf.train.Checkpoint
+that holds the model, the optimizer and the ops' compression state.
+
+    python -m tf_gradsync.launch --num_workers=2 -- tests/_worker.py --out=DIR \
+        --compression=topk --options='{"ratio": 0.05}' --steps=30 [--first_step=N]
+        [--restore=PREFIX] [--save=DIR]
+"""
+
+import argparse
+import hashlib
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import tensorflow as tf
+
+import _regression  # tests/_regression.py, next to this script
+import tf_gradsync as gs
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def launch(out, *args, workers: int = 2) -> list[dict]:
+    """Runs this script on `workers` local workers (from a test); returns their results."""
+    cmd = [sys.executable, "-m", "tf_gradsync.launch", f"--num_workers={workers}",
+           "--grace_seconds=3", "--", os.path.abspath(__file__), f"--out={out}", *args]
+    env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2")
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    return [json.loads(open(os.path.join(out, f"worker_{r}.json")).read()) for r in range(workers)]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--compression", required=True)
+    p.add_argument("--options", default="{}")
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--first_step", type=int, default=0)
+    p.add_argument("--restore", default=None, help="checkpoint prefix; {rank} is replaced")
+    p.add_argument("--save", default=None, help="checkpoint directory; {rank} is replaced")
+    a = p.parse_args()
+    rank = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+    ops = gs.CompressedAllReduce(gs.compression.get(a.compression, **json.loads(a.options)))
+    strategy = gs.MultiWorkerMirroredStrategy(cross_device_ops=ops)
+    model, opt = _regression.model_and_optimizer(strategy, 16, 4)
+    step = _regression.train_step(strategy, model, opt)
+    ckpt = tf.train.Checkpoint(model=model, optimizer=opt, gradsync=ops)
+    if a.restore:
+        ckpt.restore(a.restore.format(rank=rank))
+
+    prints = []
+    for s in range(a.first_step, a.first_step + a.steps):
+        rng = np.random.default_rng([rank, s])   # each worker and step: its own data
+        step(tf.constant(rng.normal(size=(8, 16)), tf.float32),
+             tf.constant(rng.normal(size=(8, 4)), tf.float32))
+        digest = hashlib.sha256()
+        for w in model.get_weights():
+            digest.update(np.ascontiguousarray(w).tobytes())
+        prints.append(digest.hexdigest())
+    if a.save:
+        ckpt.write(os.path.join(a.save.format(rank=rank), "ckpt"))
+    with open(os.path.join(a.out, f"worker_{rank}.json"), "w") as f:
+        json.dump({"fingerprints": prints, "stats": ops.stats(),
+                   "weights": [w.tolist() for w in model.get_weights()]}, f)
+
+
+if __name__ == "__main__":
+    main()
