@@ -13,5 +13,6 @@ setup(
         "test": ["pytest", "scikit-learn", "tf_keras", "hypothesis", "matplotlib"],
         "examples": ["scikit-learn"],
         "report": ["matplotlib"],
+        "bench": ["matplotlib", "scikit-learn"],   # --png; the accuracy suite
     },
 )

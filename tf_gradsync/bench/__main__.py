@@ -6,8 +6,13 @@ Suites (each a module of this package that defines its flags and `run()`):
   multiworker  median step time of a ~25M-parameter model on N local workers:
                stock MultiWorkerMirroredStrategy and ours, side by side, as ratios.
   cluster      the same on workers in network namespaces behind rate-limited links (root).
+  single_host  median step time under MirroredStrategy on 4 logical CPU devices: TensorFlow's
+               cross-device ops and ours, interleaved in one process, as ratios.
+  accuracy     digits trained with stock ops and each compressor: final test accuracy,
+               deltas, time-to-accuracy, bytes per step.
 
-Results print as a markdown table; --json writes them to a file.
+Results print as a markdown table; --json writes them to a file, --png draws the suite's
+`PLOT` as a bar chart (see figure.py; needs matplotlib: pip install 'tf_gradsync[bench]').
 """
 
 from __future__ import annotations
@@ -18,17 +23,22 @@ import os
 
 from absl import app, flags
 
-from tf_gradsync.bench import cluster, micro, multiworker  # noqa: F401  (define their flags)
+from tf_gradsync.bench import figure
+# Suite modules define their flags when imported.
+from tf_gradsync.bench import accuracy, cluster, micro, multiworker, single_host  # noqa: F401
 
 #: Suite name -> module with `run() -> (rows, columns)`.
 SUITES = {
     "micro": "tf_gradsync.bench.micro",
     "multiworker": "tf_gradsync.bench.multiworker",
     "cluster": "tf_gradsync.bench.cluster",
+    "single_host": "tf_gradsync.bench.single_host",
+    "accuracy": "tf_gradsync.bench.accuracy",
 }
 
 flags.DEFINE_list("compressors", None, "Compressor names (default: depends on the suite).")
 flags.DEFINE_string("json", None, "Write the rows to this JSON file.")
+flags.DEFINE_string("png", None, "Write a bar chart of the suite's main metric to this PNG file.")
 FLAGS = flags.FLAGS
 
 
@@ -40,6 +50,8 @@ def table(rows, cols) -> str:
 
 
 def _fmt(v):
+    if v is None:
+        return ""
     return f"{v:.3g}" if isinstance(v, float) else str(v)
 
 
@@ -48,11 +60,14 @@ def main(argv):
         raise app.UsageError(f"usage: python -m tf_gradsync.bench {{{','.join(SUITES)}}} [flags]; "
                              f"got {argv[1:]!r}")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    rows, cols = importlib.import_module(SUITES[argv[1]]).run()
+    suite = importlib.import_module(SUITES[argv[1]])
+    rows, cols = suite.run()
     print(table(rows, cols))
     if FLAGS.json:
         with open(FLAGS.json, "w") as f:
             json.dump(rows, f, indent=1)
+    if FLAGS.png:
+        figure.write_png(rows, cols, FLAGS.png, getattr(suite, "PLOT", None), title=argv[1])
     return 0
 
 

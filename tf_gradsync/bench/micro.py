@@ -15,6 +15,8 @@ from tf_gradsync.compression import Context, RoundCompressor
 flags.DEFINE_list("sizes", ["1000000", "25000000"], "micro: bucket sizes (elements).")
 flags.DEFINE_integer("repeats", 5, "micro: timed repetitions.")
 FLAGS = flags.FLAGS
+#: Figure (see figure.py): GB/s per compressor, one bar per bucket size.
+PLOT = ("compressor", "gb_per_s", "GB/s of float32 input", "numel")
 
 
 def roundtrip_fn(compressor, numel: int):

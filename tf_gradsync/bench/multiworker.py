@@ -20,6 +20,8 @@ flags.DEFINE_integer("workers", 2, "multiworker: number of local workers.")
 flags.DEFINE_integer("params", 25_000_000, "multiworker, cluster: model parameters.")
 flags.DEFINE_integer("steps", 10, "multiworker, cluster: timed steps per run.")
 FLAGS = flags.FLAGS
+#: Figure (see figure.py): step time relative to stock.
+PLOT = ("mode", "vs_stock", "step time / stock")
 
 
 def worker(mode: str, params: int, steps: int, batch: int, ifname: str | None = None) -> dict:

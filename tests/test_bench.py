@@ -1,0 +1,124 @@
+"""The bench: table, JSON and PNG writers, the CLI, and tiny single_host / accuracy runs."""
+
+import json
+import os
+import struct
+import subprocess
+import sys
+
+import pytest
+
+from tf_gradsync.bench import figure
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+ROWS = [
+    {"mode": "stock", "numel": 10, "median_ms": 2.0, "vs_stock": 1.0, "bytes": None},
+    {"mode": "none", "numel": 10, "median_ms": 2.2, "vs_stock": 1.1, "bytes": 60},
+    {"mode": "none", "numel": 20, "median_ms": 3.0, "vs_stock": 1.5, "bytes": 120},
+    {"mode": "topk", "numel": 10, "median_ms": 4.0, "vs_stock": "not reached", "bytes": 8},
+]
+COLS = ["mode", "numel", "median_ms", "vs_stock", "bytes"]
+
+
+def bench(*args, timeout=120):
+    """Runs `python -m tf_gradsync.bench ARGS` (the suites set up their own devices)."""
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=ROOT)
+    return subprocess.run([sys.executable, "-m", "tf_gradsync.bench", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def png_size(path):
+    """(width, height) from a PNG's IHDR chunk, after checking the signature."""
+    with open(path, "rb") as f:
+        head = f.read(24)
+    assert head[:8] == PNG_SIGNATURE and head[12:16] == b"IHDR", head
+    return struct.unpack(">II", head[16:24])
+
+
+@pytest.mark.parametrize("plot", [
+    ("mode", "vs_stock", "step / stock"),                       # one panel
+    ("mode", "median_ms", "ms", "numel"),                       # grouped by a series column
+    (("mode", "median_ms", "ms"), ("mode", "bytes", "bytes")),  # two panels
+    None,                                                       # first text / numeric column
+])
+def test_png_writer(tmp_path, plot):
+    from matplotlib import image
+    path = str(tmp_path / "fig.png")
+    assert figure.write_png(ROWS, COLS, path, plot, title="t") == path
+    width, height = png_size(path)
+    assert width > 0 and height > 0 and os.path.getsize(path) > 0
+    assert image.imread(path).shape[:2] == (height, width)
+
+
+def test_plot_panels():
+    # Fallback: "mode" is the first all-text column, "numel" the first numeric one;
+    # "vs_stock" mixes numbers and text and "bytes" has a None, which is allowed.
+    assert figure.panels(ROWS, COLS) == [("mode", "numel", "numel")]
+    assert figure.panels(ROWS, ["mode", "vs_stock", "bytes"]) == [("mode", "bytes", "bytes")]
+    with pytest.raises(ValueError, match="nope"):
+        figure.panels(ROWS, COLS, ("mode", "nope", "y"))
+    with pytest.raises(ValueError, match="no numeric column"):
+        figure.panels([{"mode": "a"}], ["mode"])
+
+
+def test_unknown_suite_is_a_usage_error():
+    out = bench("nope", timeout=60)
+    assert out.returncode == 1
+    assert "got ['nope']" in out.stderr and "single_host" in out.stderr, out.stderr[-2000:]
+
+
+def test_table_format():
+    # Imported here, not at module level: the bench's modules define absl flags.
+    from tf_gradsync.bench.__main__ import table
+    assert table(ROWS[:2], ["mode", "median_ms", "bytes"]).splitlines() == [
+        "| mode | median_ms | bytes |", "|---|---|---|",
+        "| stock | 2 |  |", "| none | 2.2 | 60 |"]
+
+
+def test_single_host_tiny_run(tmp_path):
+    out = bench("single_host", "--stock_ops=r1d", "--compressors=none", "--width=32",
+                "--layers=1", "--global_batch=8", "--rounds=1", "--steps_per_round=2",
+                f"--json={tmp_path / 'r.json'}", f"--png={tmp_path / 'r.png'}")
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = json.loads((tmp_path / "r.json").read_text())
+    assert [r["mode"] for r in rows] == ["stock_r1d", "none"]
+    # Dense(32) on 32 inputs, then Dense(10): weights and biases.
+    params = 32 * 32 + 32 + 32 * 10 + 10
+    assert all(r["params"] == params for r in rows)
+    # `none` sends one float32 bucket with halving-doubling over 4 devices (the bucket
+    # is below 256 KiB): 2(N-1)/N of it per replica.
+    n = 4
+    assert rows[1]["bytes_per_step"] == 2 * (n - 1) * params * 4 // n
+    assert rows[1]["ratio"] == 1.0
+    assert rows[0]["bytes_per_step"] is None and rows[0]["vs_r1d"] == 1.0
+    assert rows[1]["vs_r1d"] == pytest.approx(rows[1]["median_ms"] / rows[0]["median_ms"])
+    assert "| none | 1386 |" in out.stdout
+    assert png_size(tmp_path / "r.png")[0] > 0
+
+
+def test_time_to_target():
+    from tf_gradsync.bench import accuracy
+    assert accuracy.time_to_target([0.5, 0.95, 0.97], [2.0, 3.0, 4.0], 0.95) == (2, 3.0)
+    assert accuracy.time_to_target([0.5, 0.9], [2.0, 3.0], 0.95) == ("not reached",) * 2
+    assert accuracy.compressor_from_spec("topk:ratio=0.25").ratio == 0.25
+    with pytest.raises(ValueError, match="rank16"):
+        accuracy.compressor_from_spec("powersgd:rank16")
+
+
+def test_accuracy_tiny_run(devices):
+    from tf_gradsync.bench import accuracy
+    rows = accuracy.compare(["stock", "fp16"], devices, epochs=2, target=0.0)
+    for r in rows:
+        assert set(accuracy.COLUMNS) <= set(r)
+        assert 0.0 <= r["accuracy"] <= 1.0 and len(r["accuracies"]) == 2
+        assert r["accuracy"] == r["accuracies"][-1]
+        # Target 0 is reached after the first epoch.
+        assert r["epochs_to_target"] == 1 and 0 < r["seconds_to_target"] <= r["train_s"]
+        assert r["vs_none_pts"] is None
+    stock, fp16 = rows
+    assert stock["vs_stock_pts"] == 0.0
+    assert fp16["vs_stock_pts"] == pytest.approx(100 * (fp16["accuracy"] - stock["accuracy"]))
+    # 17,226 float32 parameters as float16 over 4 replicas: 2(N-1)/N x 2 bytes each.
+    assert stock["bytes_per_step"] is None
+    assert fp16["bytes_per_step"] == 2 * 3 * 17_226 * 2 // 4 and fp16["ratio"] == 2.0
