@@ -7,6 +7,7 @@ all-reduce would have sent.
     python examples/train_digits.py                       # fp16 on 4 devices
     python examples/train_digits.py --compression=none
     python examples/train_digits.py --config=configs/fp16.yaml
+    python examples/train_digits.py --compression=dgc --optimizer=sgd --momentum=0
 """
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ def define_flags():
     flags.DEFINE_integer("epochs", 30, "Training epochs.")
     flags.DEFINE_integer("batch_size", 64, "Global batch size.")
     flags.DEFINE_integer("seed", 0, "Random seed.")
+    flags.DEFINE_enum("optimizer", "adam", ["adam", "sgd"], "Optimizer.")
+    flags.DEFINE_float("learning_rate", None, "Learning rate (default: adam 1e-3, sgd 0.05).")
+    flags.DEFINE_float("momentum", 0.9, "SGD momentum (0 for compressors that apply their "
+                       "own, such as dgc).")
 
 
 def load_data(seed: int = 0):
@@ -39,8 +44,25 @@ def load_data(seed: int = 0):
     return train_test_split(x, y.astype(np.int32), test_size=0.2, random_state=seed, stratify=y)
 
 
-def build_model(keras, seed: int = 0):
-    """A small MLP (17,226 parameters); compiled with Adam."""
+def make_optimizer(keras, name: str = "adam", learning_rate: float | None = None,
+                   momentum: float = 0.9):
+    """Adam (learning rate 1e-3) or SGD (0.05, with `momentum`)."""
+    if name == "adam":
+        return keras.optimizers.Adam(1e-3 if learning_rate is None else learning_rate)
+    if name == "sgd":
+        return keras.optimizers.SGD(0.05 if learning_rate is None else learning_rate,
+                                    momentum=momentum)
+    raise ValueError(f"unknown optimizer {name!r}; valid: adam, sgd")
+
+
+def build_model(keras, seed: int = 0, optimizer=None):
+    """A small MLP (17,226 parameters).
+
+    Args:
+      keras: the Keras module (`tf.keras` or `tf_keras`).
+      seed: initialisation seed.
+      optimizer: a callable `keras -> optimizer`; None: Adam(1e-3).
+    """
     keras.utils.set_random_seed(seed)
     model = keras.Sequential([
         keras.Input((64,)),
@@ -48,17 +70,20 @@ def build_model(keras, seed: int = 0):
         keras.layers.Dense(64, activation="relu"),
         keras.layers.Dense(10),
     ])
-    model.compile(optimizer=keras.optimizers.Adam(1e-3),
+    model.compile(optimizer=(optimizer or make_optimizer)(keras),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   metrics=["accuracy"])
     return model
 
 
-def train(strategy, keras, epochs: int, batch_size: int, seed: int = 0, data=None):
-    """Builds and fits the model under `strategy`; returns (model, test accuracy)."""
+def train(strategy, keras, epochs: int, batch_size: int, seed: int = 0, data=None,
+          optimizer=None):
+    """Builds and fits the model under `strategy`; returns (model, test accuracy).
+
+    `optimizer`: a callable `keras -> optimizer` (see `make_optimizer`); None: Adam."""
     x_train, x_test, y_train, y_test = data if data is not None else load_data(seed)
     with strategy.scope():
-        model = build_model(keras, seed)
+        model = build_model(keras, seed, optimizer)
     model.fit(x_train, y_train, epochs=epochs, batch_size=batch_size, shuffle=False, verbose=0)
     _, acc = model.evaluate(x_test, y_test, batch_size=batch_size, verbose=0)
     return model, float(acc)
@@ -74,7 +99,10 @@ def main(argv):
     ops = (gs.load_config(FLAGS.config) if FLAGS.config
            else gs.CompressedAllReduce(FLAGS.compression))
     strategy = tf.distribute.MirroredStrategy(devices, cross_device_ops=ops)
-    _, acc = train(strategy, tf.keras, FLAGS.epochs, FLAGS.batch_size, FLAGS.seed)
+    def optimizer(keras):
+        return make_optimizer(keras, FLAGS.optimizer, FLAGS.learning_rate, FLAGS.momentum)
+    _, acc = train(strategy, tf.keras, FLAGS.epochs, FLAGS.batch_size, FLAGS.seed,
+                   optimizer=optimizer)
     s = ops.stats()
     print(f"compressor:        {ops.compressor!r}")
     print(f"replicas:          {strategy.num_replicas_in_sync}")
