@@ -4,15 +4,28 @@ Run it through the launcher, which starts the workers with a TF_CONFIG each:
 
     python -m tf_gradsync.launch --num_workers=2 -- examples/multiworker_digits.py --compression=fp16
 
-Every worker prints its test accuracy and the bytes it sent. `--keras=tf_keras` trains
-with Keras 2 (set TF_USE_LEGACY_KERAS=1), `--loop=custom` with a custom training loop.
+Every worker prints its test accuracy and the bytes it sent. Set TF_USE_LEGACY_KERAS=1
+to train with Keras 2 (tf_keras); `--loop=custom` trains with a custom training loop.
 `--out=DIR` saves each worker's final weights and stats (used by the tests).
+
+Fault tolerance: with `--backup_dir=DIR` the Keras `BackupAndRestore` callback saves the
+training state every epoch (or every `--backup_freq` steps), and a job restarted by the
+launcher resumes from it:
+
+    python -m tf_gradsync.launch --num_workers=2 --restarts=1 -- \
+        examples/multiworker_digits.py --compression=fp16 --backup_dir=/tmp/digits_backup \
+        --die_at_step=30
+
+`--die_at_step=N` makes worker 1 exit abruptly after its N-th training step (counted
+from 0 across epochs) in the first attempt only, to show the restart.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import shutil
 import sys
 
 from absl import app, flags
@@ -25,18 +38,35 @@ flags.DEFINE_integer("epochs", 20, "Training epochs.")
 flags.DEFINE_integer("batch_size", 64, "Global batch size.")
 flags.DEFINE_float("timeout", 120.0, "Seconds a collective waits for a missing peer.")
 flags.DEFINE_string("out", None, "Directory for per-worker weights and stats.")
-flags.DEFINE_integer("die_at_step", -1, "Worker 1 kills itself at this step (tests).")
+flags.DEFINE_integer("die_at_step", -1, "Worker 1 exits with code 3 after this training step "
+                     "(counted across epochs; --loop=fit, first attempt only).")
+flags.DEFINE_string("backup_dir", None, "Directory for Keras BackupAndRestore (--loop=fit): "
+                    "a restarted job resumes from it.")
+flags.DEFINE_string("backup_freq", "epoch", "When to back up: 'epoch' or every N steps.")
 FLAGS = flags.FLAGS
+
+
+def _backup_freq(value: str):
+    """'epoch' or a positive step count, as BackupAndRestore's `save_freq` wants it."""
+    if value == "epoch":
+        return value
+    if value.isdigit() and int(value) > 0:
+        return int(value)
+    raise app.UsageError(f"--backup_freq must be 'epoch' or a positive integer, got {value!r}")
 
 
 def main(argv):
     del argv
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    backup_freq = _backup_freq(FLAGS.backup_freq)
+    if FLAGS.backup_dir and FLAGS.loop != "fit":
+        raise app.UsageError("--backup_dir needs --loop=fit (BackupAndRestore is a Keras callback)")
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import numpy as np
     import tensorflow as tf
     import tf_gradsync as gs
     import train_digits
+    from tf_gradsync.launch import ATTEMPT_ENV
     tf.get_logger().setLevel("ERROR")
 
     ops = None
@@ -54,9 +84,18 @@ def main(argv):
 
     if FLAGS.loop == "fit":
         callbacks = []
-        if FLAGS.die_at_step >= 0 and rank == 1:
-            callbacks.append(keras.callbacks.LambdaCallback(
-                on_train_batch_end=lambda b, logs: os._exit(3) if b == FLAGS.die_at_step else None))
+        if FLAGS.backup_dir:
+            callbacks.append(backup_callback(keras, FLAGS.backup_dir, backup_freq, rank))
+        first_attempt = os.environ.get(ATTEMPT_ENV, "0") == "0"
+        if FLAGS.die_at_step >= 0 and rank == 1 and first_attempt:
+            steps = itertools.count()
+
+            def die(batch, logs):
+                # os._exit: no cleanup, no goodbye to the peers, like a crashed host.
+                if next(steps) == FLAGS.die_at_step:
+                    print(f"worker {rank}: exiting at step {FLAGS.die_at_step}", flush=True)
+                    os._exit(3)
+            callbacks.append(keras.callbacks.LambdaCallback(on_train_batch_end=die))
         model.fit(x_train, y_train, epochs=FLAGS.epochs, batch_size=FLAGS.batch_size,
                   shuffle=False, verbose=0, callbacks=callbacks)
     else:
@@ -70,6 +109,29 @@ def main(argv):
         with open(os.path.join(FLAGS.out, f"result_{rank}.json"), "w") as f:
             json.dump({"accuracy": acc, "stats": stats}, f)
     return 0
+
+
+def backup_callback(keras, backup_dir: str, save_freq, rank: int):
+    """`BackupAndRestore` for one worker of a multi-worker job.
+
+    tf_keras' callback coordinates the workers itself. Keras 3's knows nothing of them:
+    here each worker backs up into its own sub-directory (no two processes write one
+    file), and before training every other worker replaces its copy with the chief's
+    (worker 0), so all resume from the same epoch with the same weights even when one
+    worker died just before a backup that the others completed. Nothing is written
+    during the copy: the chief backs up only after training steps, which wait for every
+    worker. `double_checkpoint` keeps the previous backup in case the newest one was cut
+    short by the failure.
+    """
+    if not getattr(keras, "__version__", "2").startswith("3"):    # tf_keras has none
+        return keras.callbacks.BackupAndRestore(backup_dir, save_freq=save_freq)
+    own = os.path.join(backup_dir, f"worker_{rank}")
+    if rank != 0:
+        shutil.rmtree(own, ignore_errors=True)
+        chief = os.path.join(backup_dir, "worker_0")
+        if os.path.isdir(chief):
+            shutil.copytree(chief, own)
+    return keras.callbacks.BackupAndRestore(own, save_freq=save_freq, double_checkpoint=True)
 
 
 def custom_loop(strategy, model, x, y, epochs, batch_size):

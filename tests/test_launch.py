@@ -80,7 +80,8 @@ def test_print_tf_config_for_hosts():
     (["--num_workers=0", "--", "x.py"], "--num_workers must be >= 1, got 0"),
     (["--num_workers=2", "--port=70000", "--", "x.py"], "--port must be in 1..65533, got 70000"),
     (["--num_workers=2", "--hosts=a", "--", "x.py"], "--hosts must name 2 non-empty hosts, got 'a'"),
-    (["--num_workers=2", "--grace_seconds=0", "--", "x.py"], "--grace_seconds must be > 0"),
+    (["--num_workers=2", "--grace_seconds=0", "--", "x.py"],
+     "--grace_seconds must be a finite number > 0, got 0.0"),
     (["--num_workers=2"], "give the worker command after --"),
 ])
 def test_bad_flags(args, message, capsys):
@@ -93,3 +94,60 @@ def test_tf_configs():
     cfgs = launch.tf_configs(["h:1", "h:2"])
     assert cfgs[0]["task"] == {"type": "worker", "index": 0}
     assert cfgs[1]["cluster"]["worker"] == ["h:1", "h:2"]
+
+
+# ------------------------------------------------------------ restarts
+FLAKY = (
+    "import json, os, sys, time\n"
+    "rank = json.loads(os.environ['TF_CONFIG'])['task']['index']\n"
+    "attempt = int(os.environ['TF_GRADSYNC_ATTEMPT'])\n"
+    "print('attempt', attempt, 'rank', rank, os.environ['TF_CONFIG'], flush=True)\n"
+    "fail_until = int(sys.argv[1])\n"
+    "if rank == 1 and attempt < fail_until:\n"
+    "    sys.exit(5)\n"
+    "time.sleep(0.5 if rank == 1 else 600 if attempt < fail_until else 0)\n")
+
+
+def attempts(stdout):
+    """{attempt: {rank: TF_CONFIG}} from the FLAKY workers' output."""
+    seen = {}
+    for line in stdout.splitlines():
+        _, word, attempt, _, rank, cfg = line.split(" ", 5)
+        assert word == "attempt"
+        seen.setdefault(int(attempt), {})[int(rank)] = json.loads(cfg)
+    return seen
+
+
+@pytest.mark.parametrize("restarts,fail_until,code,runs", [
+    (0, 1, 5, 1),      # no restarts: the failing worker's code, at once
+    (1, 1, 0, 2),      # the second attempt succeeds
+    (2, 5, 5, 3),      # exhausted: the last attempt's code
+])
+def test_restarts(tmp_path, restarts, fail_until, code, runs):
+    script = tmp_path / "w.py"
+    script.write_text(FLAKY)
+    out = run(["--num_workers=2", f"--restarts={restarts}", "--grace_seconds=1", "--",
+               str(script), str(fail_until)], timeout=120)
+    assert out.returncode == code, out.stderr[-2000:]
+    seen = attempts(out.stdout)
+    assert sorted(seen) == list(range(runs)) and all(sorted(s) == [0, 1] for s in seen.values())
+    # Every attempt is a whole new cluster: both workers, fresh ports on 127.0.0.1.
+    clusters = [tuple(seen[a][0]["cluster"]["worker"]) for a in range(runs)]
+    assert all(seen[a][1]["cluster"]["worker"] == list(clusters[a]) for a in range(runs))
+    assert len(set(clusters)) == runs
+    assert all(addr.startswith("127.0.0.1:") for c in clusters for addr in c)
+    failures = [l for l in out.stderr.splitlines() if l.startswith("[launch] attempt")]
+    assert len(failures) == runs - (code == 0)
+    if code:
+        assert failures[-1].endswith(f"failed with exit code {code}; no restarts left")
+
+
+def test_attempt_timeout_stops_a_hung_job(tmp_path):
+    script = tmp_path / "w.py"
+    script.write_text("import time; print('up', flush=True); time.sleep(600)")
+    start = time.monotonic()
+    out = run(["--num_workers=2", "--restarts=1", "--attempt_timeout=2", "--grace_seconds=1",
+               "--", str(script)], timeout=120)
+    assert out.returncode == launch.TIMEOUT_CODE
+    assert out.stdout.count("up") == 4         # two attempts of two workers
+    assert time.monotonic() - start < 60

@@ -1,11 +1,7 @@
 """Multi-worker training on localhost: worker processes started by tf_gradsync.launch."""
 
 import glob
-import json
-import os
 import subprocess
-import sys
-import time
 
 import numpy as np
 import pytest
@@ -13,32 +9,7 @@ import tensorflow as tf
 
 import multiworker_digits  # examples/multiworker_digits.py
 import train_digits
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-EXAMPLE = os.path.join(ROOT, "examples", "multiworker_digits.py")
-PARAMS = (64 * 128 + 128) + (128 * 64 + 64) + (64 * 10 + 10)   # the digits MLP
-
-
-def launch(tmp_path, workers, *args, env=None, timeout=600):
-    out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "tf_gradsync.launch", f"--num_workers={workers}",
-           "--grace_seconds=3", "--", EXAMPLE, f"--out={out}", *args]
-    full_env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2", **(env or {}))
-    start = time.monotonic()
-    proc = subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout)
-    return proc, out, time.monotonic() - start
-
-
-def results(out, workers):
-    weights = [list(np.load(out / f"weights_{r}.npz").values()) for r in range(workers)]
-    res = [json.loads((out / f"result_{r}.json").read_text()) for r in range(workers)]
-    return weights, res
-
-
-def assert_same_weights(weights):
-    for other in weights[1:]:
-        for a, b in zip(weights[0], other):
-            np.testing.assert_array_equal(a, b)
+from _multiworker import PARAMS, assert_same_weights, launch, results
 
 
 @pytest.fixture(scope="module")

@@ -88,27 +88,27 @@ def plan_buckets(specs: Sequence[tuple[Sequence[int], tf.DType]], bucket_bytes: 
       A `BucketPlan`, identical for identical `specs` and `bucket_bytes`.
 
     Raises:
-      ValueError: for a non-positive `bucket_bytes` or a shape that is not fully defined.
+      ValueError: for a `bucket_bytes` that is not a positive integer, a spec that is not
+        a `(shape, dtype)` pair, a non-numeric dtype or a shape that is not fully
+        defined; the message names the bad value and what is allowed.
 
     Example:
       >>> plan = plan_buckets([((3, 4), tf.float32), ((4,), tf.float32)], 1 << 20)
       >>> [b.numel for b in plan.buckets]
       [16]
     """
-    if not isinstance(bucket_bytes, (int, np.integer)) or bucket_bytes <= 0:
+    if isinstance(bucket_bytes, (bool, np.bool_)) \
+            or not isinstance(bucket_bytes, (int, np.integer)) or bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be a positive integer, got {bucket_bytes!r}")
+    if isinstance(specs, (str, bytes)) or not isinstance(specs, Sequence):
+        raise ValueError(f"specs must be a list of (shape, dtype) pairs, got {specs!r}")
     # Buckets are numbered by when they were opened, i.e. by when their first
     # gradient becomes available during backpropagation.
     open_slots: dict[tf.DType, list[Slot]] = {}
     open_bytes: dict[tf.DType, int] = {}
     opened: list[tuple[tf.DType, list[Slot]]] = []
     for index in reversed(range(len(specs))):
-        shape, dtype = specs[index]
-        dtype = tf.as_dtype(dtype)
-        shape = tf.TensorShape(shape)
-        if not shape.is_fully_defined():
-            raise ValueError(
-                f"tensor {index} has shape {shape}; bucketing needs fully defined shapes")
+        shape, dtype = _check_spec(index, specs[index])
         shape_t = tuple(int(d) for d in shape)
         size = int(np.prod(shape_t, dtype=np.int64))
         nbytes = size * dtype.size
@@ -121,6 +121,32 @@ def plan_buckets(specs: Sequence[tuple[Sequence[int], tf.DType]], bucket_bytes: 
         slots.append(Slot(index, shape_t, offset, size))
         open_bytes[dtype] += nbytes
     buckets = tuple(Bucket(i, d, tuple(s)) for i, (d, s) in enumerate(opened))
-    key = repr((bucket_bytes, [(tuple(tf.TensorShape(s).as_list()), tf.as_dtype(d).name)
-                               for s, d in specs])).encode()
+    key = repr((int(bucket_bytes), [(tuple(tf.TensorShape(s).as_list()), tf.as_dtype(d).name)
+                                    for s, d in specs])).encode()
     return BucketPlan(buckets, len(specs), hashlib.sha1(key).hexdigest()[:12])
+
+
+def _check_spec(index: int, spec) -> tuple[tf.TensorShape, tf.DType]:
+    """The `(shape, dtype)` of spec `index`, or a ValueError that says what is wrong."""
+    try:
+        shape, dtype = spec
+    except (TypeError, ValueError):
+        raise ValueError(f"spec {index} must be a (shape, dtype) pair, got {spec!r}") from None
+    try:
+        dtype = tf.as_dtype(dtype)
+    except TypeError:
+        raise ValueError(f"tensor {index} has dtype {dtype!r}; allowed: a numeric TensorFlow "
+                         "dtype (e.g. float16, bfloat16, float32, float64, int32, int64)") from None
+    if not (dtype.is_floating or dtype.is_integer or dtype.is_complex or dtype == tf.bool):
+        raise ValueError(f"tensor {index} has dtype {dtype.name}, which cannot be bucketed; "
+                         "allowed: numeric dtypes (floating, integer, complex) and bool")
+    try:
+        shape = tf.TensorShape(shape)
+    except (TypeError, ValueError):
+        raise ValueError(f"tensor {index} has shape {shape!r}; allowed: a sequence of "
+                         "non-negative integers") from None
+    if not shape.is_fully_defined():
+        raise ValueError(
+            f"tensor {index} has shape {shape}; bucketing needs fully defined shapes "
+            "(non-negative integer dimensions)")
+    return shape, dtype

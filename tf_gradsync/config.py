@@ -14,6 +14,7 @@ Files are read with `yaml.safe_load`: no Python objects are ever constructed fro
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from typing import Any, Mapping
 
@@ -24,7 +25,13 @@ from tf_gradsync import algorithms, compression
 
 @dataclasses.dataclass(frozen=True)
 class SyncConfig:
-    """Validated settings of a `CompressedAllReduce`."""
+    """Validated settings of a `CompressedAllReduce` (see its arguments).
+
+    Raises:
+      ValueError: for an unknown compressor or algorithm, compressor options it does not
+        take or accept, or a value outside its range; the message names the bad value
+        and what is allowed.
+    """
 
     compression: str = "none"
     compression_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
@@ -37,17 +44,25 @@ class SyncConfig:
         if self.compression not in compression.names():
             raise ValueError(f"unknown compression {self.compression!r}; valid names: "
                              f"{', '.join(compression.names())}")
-        if not isinstance(self.compression_options, Mapping):
-            raise ValueError(f"compression_options must be a mapping, got {self.compression_options!r}")
-        if self.error_feedback not in (None, True, False):
-            raise ValueError(f"error_feedback must be true, false or null, got {self.error_feedback!r}")
+        if not isinstance(self.compression_options, Mapping) or not all(
+                isinstance(k, str) for k in self.compression_options):
+            raise ValueError(f"compression_options must be a mapping of argument names to "
+                             f"values, got {self.compression_options!r}")
+        # Built once here so that a bad option fails when the preset is read, not later
+        # when the ops are created; compressors are plain Python objects, cheap to build.
+        compression.get(self.compression, **dict(self.compression_options))
+        if not (self.error_feedback is None or isinstance(self.error_feedback, bool)):
+            raise ValueError(f"error_feedback must be true, false or null, "
+                             f"got {self.error_feedback!r}")
         if isinstance(self.bucket_bytes, bool) or not isinstance(self.bucket_bytes, int) \
                 or self.bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be a positive integer, got {self.bucket_bytes!r}")
         algorithms.validate(self.algorithm)
         if self.timeout_seconds is not None and not (
-                isinstance(self.timeout_seconds, (int, float)) and self.timeout_seconds > 0):
-            raise ValueError(f"timeout_seconds must be a positive number or null, "
+                isinstance(self.timeout_seconds, (int, float))
+                and not isinstance(self.timeout_seconds, bool)
+                and 0 < self.timeout_seconds < math.inf):
+            raise ValueError(f"timeout_seconds must be a positive number (finite) or null, "
                              f"got {self.timeout_seconds!r}")
 
     def build(self):
@@ -62,19 +77,34 @@ class SyncConfig:
 def parse_config(source: str | os.PathLike | Mapping[str, Any]) -> SyncConfig:
     """Reads and validates a preset (a YAML path or a mapping).
 
+    Args:
+      source: path of a YAML file, or a mapping with the same keys.
+
+    Returns:
+      The validated `SyncConfig`.
+
     Raises:
-      ValueError: for unknown keys (listing the valid ones) or bad values.
+      ValueError: for a source that is neither a path nor a mapping, YAML that does not
+        parse (or asks for Python objects: files are read with `yaml.safe_load`), unknown
+        keys (listing the valid ones) or bad values.
       FileNotFoundError: for a missing file.
     """
     if isinstance(source, Mapping):
         data = dict(source)
-    else:
+    elif isinstance(source, (str, os.PathLike)):
         with open(source, encoding="utf-8") as f:
-            data = yaml.safe_load(f) or {}
+            try:
+                data = yaml.safe_load(f) or {}
+            except yaml.YAMLError as e:
+                raise ValueError(f"{os.fspath(source)}: not a valid YAML preset (plain YAML "
+                                 f"mappings only): {e}") from None
         if not isinstance(data, dict):
-            raise ValueError(f"{source}: a preset must be a YAML mapping, got {type(data).__name__}")
+            raise ValueError(f"{os.fspath(source)}: a preset must be a YAML mapping, "
+                             f"got {type(data).__name__}")
+    else:
+        raise ValueError(f"a preset is a YAML path or a mapping, got {source!r}")
     valid = [f.name for f in dataclasses.fields(SyncConfig)]
-    unknown = sorted(set(data) - set(valid))
+    unknown = sorted(set(data) - set(valid), key=str)
     if unknown:
         raise ValueError(f"unknown config keys {unknown}; valid keys: {', '.join(valid)}")
     return SyncConfig(**data)

@@ -10,16 +10,27 @@ forwarded to every worker. TensorFlow installs its own SIGTERM handler, so a wor
 ignore SIGTERM: after `--grace_seconds` the whole process group gets SIGKILL, and no
 process is ever left behind.
 
+`--restarts=K` re-runs the whole job after a failure, up to K times: every worker is
+stopped, then all start again (on fresh free ports unless `--port` is given) with
+`TF_GRADSYNC_ATTEMPT` set to the attempt number (0 for the first run), so a script can
+resume from a backup (e.g. Keras `BackupAndRestore`). When the last attempt fails the
+launcher exits with its code. `--attempt_timeout` bounds each attempt; one that runs
+longer is stopped and counts as failed (exit code 124).
+
 For several machines, `--print_tf_config --hosts=h1,h2 --port=P` prints the TF_CONFIG to
-export on each host. Workers bind 127.0.0.1 unless `--hosts` says otherwise; TensorFlow's
-gRPC runtime is unauthenticated, so only expose it on networks you trust.
+export on each host. Worker addresses are 127.0.0.1 (and free ports are probed there)
+unless `--hosts` says otherwise. TensorFlow's gRPC server is unauthenticated and
+unencrypted, and listens on every interface whatever host the address names: run
+workers only on a trusted network.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -27,6 +38,12 @@ import sys
 import threading
 import time
 from typing import Sequence
+
+#: Set in every worker's environment: the attempt it belongs to (0, then 1.. on restarts).
+ATTEMPT_ENV = "TF_GRADSYNC_ATTEMPT"
+#: Exit code of an attempt stopped by `--attempt_timeout` (as coreutils' `timeout`).
+TIMEOUT_CODE = 124
+_HOST = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+)$")
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
@@ -67,7 +84,11 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--grace_seconds", type=float, default=10.0,
                    help="wait this long after SIGTERM before SIGKILL (> 0)")
     p.add_argument("--restarts", type=int, default=0,
-                   help="restart the whole job up to this many times after a failure")
+                   help="restart the whole job up to this many times after a failure (>= 0); "
+                        f"workers see the attempt number in ${ATTEMPT_ENV}")
+    p.add_argument("--attempt_timeout", type=float, default=None,
+                   help="stop an attempt that runs longer than this many seconds (> 0); it "
+                        f"counts as failed with exit code {TIMEOUT_CODE} (default: no limit)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- script.py [args]")
     args = p.parse_args(argv)
     if args.command and args.command[0] == "--":
@@ -76,13 +97,19 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         p.error(f"--num_workers must be >= 1, got {args.num_workers}")
     if args.port is not None and not 1 <= args.port <= 65535 - args.num_workers:
         p.error(f"--port must be in 1..{65535 - args.num_workers}, got {args.port}")
-    if args.grace_seconds <= 0:
-        p.error(f"--grace_seconds must be > 0, got {args.grace_seconds}")
+    if not 0 < args.grace_seconds < math.inf:
+        p.error(f"--grace_seconds must be a finite number > 0, got {args.grace_seconds}")
     if args.restarts < 0:
         p.error(f"--restarts must be >= 0, got {args.restarts}")
+    if args.attempt_timeout is not None and not 0 < args.attempt_timeout < math.inf:
+        p.error(f"--attempt_timeout must be a finite number > 0, got {args.attempt_timeout}")
     hosts = args.hosts.split(",") if args.hosts else ["127.0.0.1"] * args.num_workers
     if len(hosts) != args.num_workers or not all(hosts):
         p.error(f"--hosts must name {args.num_workers} non-empty hosts, got {args.hosts!r}")
+    bad = [h for h in hosts if not _HOST.match(h)]
+    if bad:
+        p.error(f"--hosts has {bad[0]!r}; allowed: host names or IP addresses without a port "
+                "([...] for IPv6), separated by commas")
     args.hosts = hosts
     if args.print_tf_config:
         if args.port is None and args.hosts != ["127.0.0.1"] * args.num_workers:
@@ -171,7 +198,11 @@ class Job:
                 os.killpg(p.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
-            p.wait()
+            try:
+                p.wait(timeout=self.grace_seconds)
+            except subprocess.TimeoutExpired:   # e.g. stuck in uninterruptible I/O
+                print(f"[launch] process {p.pid} did not exit after SIGKILL", file=sys.stderr,
+                      flush=True)
         self._drain()
 
     def _drain(self) -> None:
@@ -180,36 +211,50 @@ class Job:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the launcher; returns the exit code (0, a worker's code, 124, or 128 + signal)."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
     n = args.num_workers
-    attempt = 0
-    while True:
-        ports = ([args.port + i for i in range(n)] if args.port is not None
-                 else free_ports(n))
-        configs = tf_configs([f"{h}:{p}" for h, p in zip(args.hosts, ports)])
-        if args.print_tf_config:
-            for h, cfg in zip(args.hosts, configs):
-                print(f"{h}: TF_CONFIG='{json.dumps(cfg)}'")
-            return 0
-        job = Job(args.command, configs, args.grace_seconds)
-        received = []
 
-        def forward(signum, frame, job=job):
-            received.append(signum)
+    def addresses() -> list[str]:
+        ports = [args.port + i for i in range(n)] if args.port is not None else free_ports(n)
+        return [f"{h}:{p}" for h, p in zip(args.hosts, ports)]
+
+    if args.print_tf_config:
+        for h, cfg in zip(args.hosts, tf_configs(addresses())):
+            print(f"{h}: TF_CONFIG='{json.dumps(cfg)}'")
+        return 0
+    job: Job | None = None
+    received: list[int] = []
+
+    def forward(signum, frame):
+        received.append(signum)
+        if job is not None:
             job.stop()
-        old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            code = job.wait()
-        finally:
-            for s, h in old.items():
-                signal.signal(s, h)
-        if received:
-            return 128 + received[0]
-        if code == 0 or attempt >= args.restarts:
-            return code
-        attempt += 1
-        print(f"[launch] worker failed with exit code {code}; restart {attempt}/{args.restarts}",
-              file=sys.stderr, flush=True)
+    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        for attempt in range(args.restarts + 1):
+            # Free ports are probed again for every attempt: the previous attempt's may
+            # still be held by sockets in TIME_WAIT.
+            job = Job(args.command, tf_configs(addresses()), args.grace_seconds,
+                      env={ATTEMPT_ENV: str(attempt)})
+            if received:      # a signal that arrived while the workers were starting
+                job.stop()
+                break
+            try:
+                code = job.wait(args.attempt_timeout)
+            except TimeoutError as e:
+                print(f"[launch] attempt {attempt}: {e}", file=sys.stderr, flush=True)
+                code = TIMEOUT_CODE
+            if received or code == 0:
+                break
+            left = args.restarts - attempt
+            print(f"[launch] attempt {attempt} failed with exit code {code}; "
+                  + (f"restarting ({left} restart(s) left)" if left else "no restarts left"),
+                  file=sys.stderr, flush=True)
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    return 128 + received[0] if received else code
 
 
 if __name__ == "__main__":

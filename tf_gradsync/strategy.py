@@ -15,10 +15,18 @@ scalars across replicas. Nothing else in Keras or TensorFlow is changed.
 
 from __future__ import annotations
 
+import json
+import os
+from typing import Any
+
 import tensorflow as tf
 
 from tf_gradsync import _tf_compat
 from tf_gradsync.cross_device_ops import CompressedAllReduce
+
+
+# The public name is a factory; the class of what it returns is private.
+_COMMUNICATION_OPTIONS = type(tf.distribute.experimental.CommunicationOptions())
 
 
 class MultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
@@ -33,7 +41,9 @@ class MultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
         `timeout_seconds` bounds how long a collective waits for a dead peer.
 
     Raises:
-      ValueError: if `cross_device_ops` is not a `CompressedAllReduce`.
+      ValueError: if `cross_device_ops` is not a `CompressedAllReduce`, an argument has
+        the wrong type, or (without `cluster_resolver`) the TF_CONFIG environment
+        variable is malformed (see `check_tf_config`).
 
     Example:
       >>> strategy = tf_gradsync.MultiWorkerMirroredStrategy(
@@ -48,6 +58,18 @@ class MultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
         if cross_device_ops is not None and not isinstance(cross_device_ops, CompressedAllReduce):
             raise ValueError(f"cross_device_ops must be a tf_gradsync.CompressedAllReduce or "
                              f"None, got {cross_device_ops!r}")
+        if cluster_resolver is not None and not isinstance(
+                cluster_resolver, tf.distribute.cluster_resolver.ClusterResolver):
+            raise ValueError(f"cluster_resolver must be a tf.distribute.cluster_resolver."
+                             f"ClusterResolver or None, got {cluster_resolver!r}")
+        if communication_options is not None and not isinstance(communication_options,
+                                                                 _COMMUNICATION_OPTIONS):
+            raise ValueError(f"communication_options must be a tf.distribute.experimental."
+                             f"CommunicationOptions or None, got {communication_options!r}")
+        if cluster_resolver is None:
+            # TensorFlow reads TF_CONFIG itself, deep inside cluster resolution: check it
+            # first so that a typo gives a message about TF_CONFIG, not a stack trace.
+            check_tf_config(os.environ.get("TF_CONFIG"))
         super().__init__(cluster_resolver=cluster_resolver,
                          communication_options=communication_options)
         if cross_device_ops is not None:
@@ -74,3 +96,86 @@ class MultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
             return super(MultiWorkerMirroredStrategy, self).reduce(
                 reduce_op, v, None if rank == 0 else axis)
         return tf.nest.map_structure(one, value)
+
+
+#: Task types a TF_CONFIG may name (TensorFlow's own set).
+TASK_TYPES = ("chief", "worker", "ps", "evaluator")
+_EXAMPLE = ('{"cluster": {"worker": ["host1:2222", "host2:2222"]}, '
+            '"task": {"type": "worker", "index": 0}}')
+
+
+def check_tf_config(raw: str | None) -> dict[str, Any] | None:
+    """Parses and checks the text of a TF_CONFIG environment variable.
+
+    Args:
+      raw: the variable's value; None, blank or `{}` mean "no cluster" (one local
+        worker), as for TensorFlow.
+
+    Returns:
+      The parsed TF_CONFIG, or None when there is no cluster.
+
+    Raises:
+      ValueError: for text that is not a JSON object, a missing `cluster` or `task`,
+        a cluster that does not map known task types to non-empty lists of "host:port"
+        addresses, or a task whose type is unknown or absent from the cluster or whose
+        index is out of range. The message names the bad value and what is allowed.
+
+    Example:
+      >>> check_tf_config('{"cluster": {"worker": ["a:1", "b:1"]}, '
+      ...                 '"task": {"type": "worker", "index": 1}}')["task"]["index"]
+      1
+    """
+    if raw is None or not raw.strip():
+        return None
+    try:
+        cfg = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"TF_CONFIG is not valid JSON ({e}): {raw!r}; expected e.g. {_EXAMPLE}") \
+            from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"TF_CONFIG must be a JSON object with 'cluster' and 'task', got {raw!r}; "
+                         f"e.g. {_EXAMPLE}")
+    if not cfg:
+        return None
+    missing = [k for k in ("cluster", "task") if k not in cfg]
+    if missing:
+        raise ValueError(f"TF_CONFIG lacks {' and '.join(repr(k) for k in missing)}: {raw!r}; "
+                         f"expected e.g. {_EXAMPLE}")
+    cluster, task = cfg["cluster"], cfg["task"]
+    if not isinstance(cluster, dict) or not cluster:
+        raise ValueError(f"TF_CONFIG 'cluster' must map task types ({', '.join(TASK_TYPES)}) to "
+                         f"lists of 'host:port' addresses, got {cluster!r}")
+    for task_type, addresses in cluster.items():
+        if task_type not in TASK_TYPES:
+            raise ValueError(f"TF_CONFIG cluster has unknown task type {task_type!r}; "
+                             f"valid task types: {', '.join(TASK_TYPES)}")
+        if not isinstance(addresses, list) or not addresses:
+            raise ValueError(f"TF_CONFIG cluster[{task_type!r}] must be a non-empty list of "
+                             f"'host:port' addresses, got {addresses!r}")
+        if task_type == "chief" and len(addresses) > 1:
+            raise ValueError(f"TF_CONFIG cluster['chief'] has {len(addresses)} addresses "
+                             f"{addresses!r}; allowed: at most one chief")
+        for address in addresses:
+            _check_address(task_type, address)
+    if not isinstance(task, dict):
+        raise ValueError(f"TF_CONFIG 'task' must be an object with 'type' and 'index', "
+                         f"got {task!r}")
+    task_type, index = task.get("type"), task.get("index")
+    if task_type not in TASK_TYPES:
+        raise ValueError(f"TF_CONFIG task type {task_type!r} is not valid; valid task types: "
+                         f"{', '.join(TASK_TYPES)}")
+    if task_type not in cluster and task_type != "evaluator":
+        raise ValueError(f"TF_CONFIG task type {task_type!r} is not in the cluster, which has: "
+                         f"{', '.join(cluster)}")
+    size = len(cluster.get(task_type, [None]))
+    if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < size:
+        raise ValueError(f"TF_CONFIG task index {index!r} is not an integer in [0, {size - 1}] "
+                         f"({task_type!r} has {size} task(s))")
+    return cfg
+
+
+def _check_address(task_type: str, address) -> None:
+    host, sep, port = address.rpartition(":") if isinstance(address, str) else ("", "", "")
+    if not (sep and host and port.isdigit() and 0 < int(port) < 65536):
+        raise ValueError(f"TF_CONFIG cluster[{task_type!r}] has address {address!r}; allowed: "
+                         "'host:port' with a port in 1..65535")

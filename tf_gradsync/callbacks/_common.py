@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import numpy as np
 import tensorflow as tf
@@ -29,6 +30,22 @@ def resolve(ops_or_strategy, who: str):
                          f"tf_gradsync.CompressedAllReduce; {ops_or_strategy!r} uses {ops!r}")
     raise ValueError(f"{who} needs a tf_gradsync.CompressedAllReduce or a tf.distribute "
                      f"strategy using one; got {ops_or_strategy!r}")
+
+
+def check_batch_size(value, who: str) -> int | None:
+    """Returns `value` if it is None or a positive integer; raises ValueError otherwise."""
+    if value is None or (isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+                         and value > 0):
+        return value
+    raise ValueError(f"{who}: batch_size must be a positive integer or None, got {value!r}")
+
+
+def check_path(name: str, value, who: str):
+    """Returns `value` if it is None or a non-empty path; raises ValueError otherwise."""
+    if value is None or (isinstance(value, (str, os.PathLike)) and os.fspath(value)):
+        return value
+    raise ValueError(f"{who}: {name} must be a non-empty path (str or os.PathLike) or None, "
+                     f"got {value!r}")
 
 
 def is_chief(strategy) -> bool:

@@ -65,7 +65,8 @@ class CommunicationMonitor(tf.keras.callbacks.Callback):
 
     Raises:
       ValueError: if `ops_or_strategy` is neither a `CompressedAllReduce` nor a
-        strategy using one.
+        strategy using one, a path is neither None nor a non-empty path, or
+        `batch_size` is neither None nor a positive integer.
 
     Example:
       >>> ops = tf_gradsync.CompressedAllReduce("fp16")
@@ -79,11 +80,12 @@ class CommunicationMonitor(tf.keras.callbacks.Callback):
                  tensorboard_dir: str | None = None, jsonl_path: str | None = None,
                  batch_size: int | None = None):
         super().__init__()
-        self.ops, self.strategy = _common.resolve(ops_or_strategy, "CommunicationMonitor")
-        self.csv_path = csv_path
-        self.tensorboard_dir = tensorboard_dir
-        self.jsonl_path = jsonl_path
-        self.batch_size = batch_size
+        who = "CommunicationMonitor"
+        self.ops, self.strategy = _common.resolve(ops_or_strategy, who)
+        self.csv_path = _common.check_path("csv_path", csv_path, who)
+        self.tensorboard_dir = _common.check_path("tensorboard_dir", tensorboard_dir, who)
+        self.jsonl_path = _common.check_path("jsonl_path", jsonl_path, who)
+        self.batch_size = _common.check_batch_size(batch_size, who)
         self.is_chief = True
         self._csv = self._csv_file = self._jsonl = self._writer = None
 

@@ -33,7 +33,7 @@ class StepMonitor:
 
     Raises:
       ValueError: if `ops_or_strategy` is neither a `CompressedAllReduce` nor a
-        strategy using one.
+        strategy using one, or `jsonl_path` is neither None nor a non-empty path.
 
     Example:
       >>> monitor = StepMonitor(ops, jsonl_path="run.jsonl")
@@ -48,7 +48,7 @@ class StepMonitor:
 
     def __init__(self, ops_or_strategy, jsonl_path: str | None = None):
         self.ops, strategy = _common.resolve(ops_or_strategy, "StepMonitor")
-        self.jsonl_path = jsonl_path
+        self.jsonl_path = _common.check_path("jsonl_path", jsonl_path, "StepMonitor")
         self.records: list[dict] = []
         self.epoch = 0
         self._epoch_records: list[dict] = []
@@ -68,7 +68,11 @@ class StepMonitor:
 
         Yields:
           The record dict, filled in when the block exits.
+
+        Raises:
+          ValueError: if `batch_size` is neither None nor a positive integer.
         """
+        _common.check_batch_size(batch_size, "StepMonitor.step")
         rec: dict = {}
         t = time.perf_counter()
         yield rec
