@@ -431,14 +431,20 @@ def _topk_sets(mag, k):
 
 
 @pytest.mark.parametrize("k", [1, 7, 1000, 12000])
-@pytest.mark.parametrize("kind", ["normal", "ties", "few_nonzero", "constant", "sampled_high"])
+@pytest.mark.parametrize("kind", ["normal", "ties", "ties1000", "few_nonzero", "constant",
+                                  "sampled_high"])
 def test_topk_fast_path_is_exact(kind, k):
+    # n = 100k: a 1000-entry sample. k = 1, 7, 1000 keep k of many more candidates;
+    # k = 12000 drops the few extra candidates instead; "constant" and "few_nonzero"
+    # make every entry a candidate; "sampled_high" leaves too few (full ranking).
     n = 100_000
     rng = np.random.default_rng(k)
     if kind == "normal":
         mag = np.abs(rng.standard_normal(n))
     elif kind == "ties":           # ten distinct values: the k-th value is tied many times
         mag = rng.integers(0, 10, n).astype(np.float64)
+    elif kind == "ties1000":       # ~100 copies of each value, ties at the cut
+        mag = rng.integers(0, 1000, n).astype(np.float64)
     elif kind == "few_nonzero":    # fewer nonzeros than k for the larger k
         mag = np.zeros(n)
         mag[rng.choice(n, 500, replace=False)] = rng.random(500) + 1

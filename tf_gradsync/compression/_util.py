@@ -79,12 +79,14 @@ def top_k_indices(mag: tf.Tensor, k: int, full: tf.Tensor | bool = False,
     """Exactly `tf.math.top_k(mag, k).indices` (as a set), without ranking a large bucket.
 
     The `r`-th largest of a random sample of 1% of `mag` (at least 1000 entries), with
-    `r` about twice the expected number of sampled top-k entries plus a margin, is a
-    threshold that at least k entries almost surely reach. When at least k do, the
-    top k of those candidates are the top k of the bucket: every entry at or above
-    the k-th largest value is a candidate, and candidates keep their index order, so
-    ties resolve as in `tf.math.top_k` (lower index first). Otherwise (or when `full`
-    is true, e.g. for non-finite input) the whole bucket is ranked.
+    `r` the expected number of sampled top-k entries plus five standard deviations,
+    is a threshold that at least k entries almost surely reach. When at least k do,
+    the top k of those candidates are the top k of the bucket: every entry at or
+    above the k-th largest value is a candidate, and candidates keep their index
+    order, so ties resolve as in `tf.math.top_k` (lower index first). There are
+    only a few more candidates than k, so the cheaper ranking is of the few to drop.
+    Otherwise (or when `full` is true, e.g. for non-finite input) the whole bucket
+    is ranked.
 
     Args:
       mag: 1-D magnitudes, static length n.
@@ -98,19 +100,33 @@ def top_k_indices(mag: tf.Tensor, k: int, full: tf.Tensor | bool = False,
     n = numel(mag)
     s = max(1000, n // 100)
     expected = s * k / n
-    r = math.ceil(2 * expected + 4 * math.sqrt(expected) + 8)
+    r = math.ceil(expected + 5 * math.sqrt(expected) + 8)
     if n < min_numel or 2 * r > s:
         return tf.math.top_k(mag, k, sorted=False).indices
     pick = tf.random.stateless_uniform([s], _TOPK_SEED, 0, n, dtype=tf.int32)
     thr = tf.math.top_k(tf.gather(mag, pick), r, sorted=True).values[r - 1]
     cand = tf.cast(tf.where(mag >= thr)[:, 0], tf.int32)
+    cand_mag = tf.gather(mag, cand)
+    extra = tf.size(cand) - k
 
-    def among_candidates():
-        return tf.gather(cand, tf.math.top_k(tf.gather(mag, cand), k, sorted=False).indices)
+    def keep_k():
+        return tf.gather(cand, tf.math.top_k(cand_mag, k, sorted=False).indices)
+
+    def drop_extra():
+        # The `extra` smallest candidates, ties dropped from the highest index first
+        # (top_k prefers lower indices, so rank the reversed candidates).
+        last = tf.size(cand) - 1
+        drop = last - tf.math.top_k(-tf.reverse(cand_mag, [0]), extra, sorted=False).indices
+        keep = tf.tensor_scatter_nd_update(tf.ones_like(cand, tf.bool), drop[:, None],
+                                           tf.zeros_like(drop, tf.bool))
+        return tf.boolean_mask(cand, keep)
 
     def everything():
         return tf.math.top_k(mag, k, sorted=False).indices
-    enough = (tf.size(cand) >= k) & tf.logical_not(full)
+
+    def among_candidates():
+        return tf.cond(extra < k, drop_extra, keep_k)
+    enough = (extra >= 0) & tf.logical_not(full)
     return tf.ensure_shape(tf.cond(enough, among_candidates, everything), [k])
 
 
