@@ -231,8 +231,14 @@ def test_dgc_reference_three_steps():
 def test_dgc_warmup_clip_and_nan_reset():
     c = C.get("dgc", ratio=0.01, warmup_steps=100, warmup_ratio=0.25)
     state = make_state(c, 400)
-    sizes = [roundtrip(c, rand(400), state, step=s)[0][0].shape[0] for s in (0, 50, 100, 500)]
-    assert sizes == [100, 20, 4, 4]
+    # stages 0.25, 0.0855, 0.0292, 0.01 (a factor 2.92 each), a third of the warm-up each
+    assert c.num_variants == 4
+    steps = (0, 33, 34, 66, 67, 99, 100, 500)
+    sizes = [roundtrip(c, rand(400), state, step=s)[0][0].shape[0] for s in steps]
+    assert sizes == [100, 100, 35, 35, 12, 12, 4, 4]
+    assert [int(c.variant(ctx(step=s))) for s in steps] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert C.get("dgc", ratio=0.001, warmup_steps=10).ratios == pytest.approx(
+        [0.25, 0.0629, 0.0158, 0.00398, 0.001], rel=1e-2)   # the paper's ladder, roughly
     c = C.get("dgc", ratio=1.0, momentum=0.0, clip_norm=2.0)
     _, y = roundtrip(c, 10 * rand(64), make_state(c, 64), num_replicas=4)
     np.testing.assert_allclose(np.linalg.norm(y.numpy()), 1.0, rtol=1e-5)

@@ -27,13 +27,12 @@ class DGC(Compressor):
     momentum is applied here, train with a momentum-free optimizer (plain SGD).
 
     Clipping: g is clipped to L2 norm `clip_norm / sqrt(num_replicas)` (the paper's
-    local clipping) when `clip_norm` is set. Warm-up: the kept fraction decays
-    exponentially (continuously, per step) from `warmup_ratio` at step 0 to `ratio`
-    at `warmup_steps`. Because k then depends on the step, the payload length is
-    dynamic (always equal on every replica) when `warmup_steps > 0`; with the default
-    `warmup_steps=0` it is static. A fixed payload sized for the warm-up maximum was
-    rejected: it would keep sending `warmup_ratio` of the bucket (mostly padding)
-    for the rest of training.
+    local clipping) when `clip_norm` is set. Warm-up: as in the paper, the kept
+    fraction falls in stages, by a factor of at most 4 each, from `warmup_ratio` at
+    step 0 to `ratio` at `warmup_steps` (e.g. 0.25, 0.0625, 0.0156, 0.004, 0.001),
+    the stages evenly spread over the warm-up. Each stage is one fixed payload
+    layout (`variant`, chosen by the step, so equal everywhere); only the current
+    stage's payload is sent, and collectives keep one instance per stage.
 
     Payload: `(values, indices)`, values in the input dtype and int32 indices, k
     entries (padded with zeros at index 0): k * (itemsize + 4) bytes. All-gathered;
@@ -73,18 +72,29 @@ class DGC(Compressor):
         self.ratio, self.momentum, self.clip_norm = ratio, momentum, clip_norm
         self.warmup_steps, self.warmup_ratio = warmup_steps, warmup_ratio
         self.sample_ratio = sample_ratio
+        self.ratios = self._stages()
+        self.num_variants = len(self.ratios)
+
+    def _stages(self) -> tuple[float, ...]:
+        """The kept fraction of each warm-up stage, ending with `ratio`."""
+        if self.warmup_steps == 0 or self.warmup_ratio == self.ratio:
+            return (self.ratio,)
+        drop = self.warmup_ratio / self.ratio
+        stages = math.ceil(math.log(drop) / math.log(4) - 1e-9)
+        return (*(self.warmup_ratio * drop ** (-j / stages) for j in range(stages)), self.ratio)
 
     def state_spec(self, numel: int, dtype: tf.DType) -> dict[str, StateSpec]:
         """Momentum `u` and accumulated velocity `v`, float32 (float64 for float64)."""
         wd = _util.work_dtype(dtype)
         return {"u": StateSpec((numel,), wd), "v": StateSpec((numel,), wd)}
 
-    def _k(self, n: int, step):
-        if self.warmup_steps == 0:
-            return _util.count(self.ratio, n)
-        t = tf.minimum(tf.cast(step, tf.float64) / self.warmup_steps, 1.0)
-        ratio = self.warmup_ratio * (self.ratio / self.warmup_ratio) ** t
-        return tf.cast(tf.clip_by_value(tf.math.ceil(ratio * n), 1, n), tf.int32)
+    def variant(self, ctx: Context) -> tf.Tensor | None:
+        """The warm-up stage of this step (None without warm-up)."""
+        if self.num_variants == 1:
+            return None
+        last = self.num_variants - 1
+        stage = tf.cast(ctx.step, tf.int64) * last // self.warmup_steps
+        return tf.cast(tf.minimum(stage, last), tf.int32)
 
     def compress(self, x: tf.Tensor, ctx: Context):
         """Returns `((values, int32 indices), (n, dtype))`; updates `u` and `v`."""
@@ -95,8 +105,11 @@ class DGC(Compressor):
             g = tf.clip_by_norm(g, self.clip_norm / math.sqrt(ctx.num_replicas))
         u_new = self.momentum * u + g
         v_new = v + u_new
-        idx, valid = _util.select(tf.abs(v_new), self._k(n, ctx.step),
-                                  tf.convert_to_tensor(ctx.seed, tf.int64), self.sample_ratio)
+        mag, seed = tf.abs(v_new), tf.convert_to_tensor(ctx.seed, tf.int64)
+        branches = [lambda r=r: _util.select(mag, _util.count(r, n), seed, self.sample_ratio)
+                    for r in self.ratios]
+        stage = self.variant(ctx)
+        idx, valid = branches[0]() if stage is None else tf.switch_case(stage, branches)
         values = tf.cast(tf.where(valid, tf.gather(v_new, idx), 0), x.dtype)
         sent = _util.scatter(values, idx, n, wd)     # padding adds 0 at index 0
         was_sent = _util.scatter(tf.cast(valid, wd), idx, n, wd) > 0
