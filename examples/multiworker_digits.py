@@ -81,6 +81,8 @@ def main(argv):
     x_train, x_test, y_train, y_test = train_digits.load_data(0)
     with strategy.scope():
         model = train_digits.build_model(keras, 0)
+    if ops is not None:
+        gs.track_state(model, ops)   # backups carry the compression state too
 
     if FLAGS.loop == "fit":
         callbacks = []
