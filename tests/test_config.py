@@ -24,7 +24,7 @@ def test_mapping_and_compression_options():
 
 @pytest.mark.parametrize("data,match", [
     ({"compresion": "fp16"}, r"unknown config keys \['compresion'\]; valid keys: compression, "),
-    ({"compression": "zip"}, "unknown compression 'zip'; valid names: bf16, "),
+    ({"compression": "zip"}, "unknown compression 'zip'; valid names: adaptive, bf16, "),
     ({"bucket_bytes": "32MB"}, "bucket_bytes must be a positive integer, got '32MB'"),
     ({"algorithm": "star"}, "unknown algorithm 'star'"),
     ({"error_feedback": "yes"}, "error_feedback must be true, false or null"),
