@@ -98,10 +98,12 @@ def main(argv):
                     print(f"worker {rank}: exiting at step {FLAGS.die_at_step}", flush=True)
                     os._exit(3)
             callbacks.append(keras.callbacks.LambdaCallback(on_train_batch_end=die))
-        model.fit(x_train, y_train, epochs=FLAGS.epochs, batch_size=FLAGS.batch_size,
-                  shuffle=False, verbose=0, callbacks=callbacks)
+        history = model.fit(x_train, y_train, epochs=FLAGS.epochs, batch_size=FLAGS.batch_size,
+                            shuffle=False, verbose=0, callbacks=callbacks)
+        epochs_run = list(history.epoch)   # after a restore: only the epochs left
     else:
         custom_loop(strategy, model, x_train, y_train, FLAGS.epochs, FLAGS.batch_size)
+        epochs_run = list(range(FLAGS.epochs))
     _, acc = model.evaluate(x_test, y_test, batch_size=FLAGS.batch_size, verbose=0)
     stats = ops.stats() if ops is not None else {}
     print(f"worker {rank}: test accuracy {acc:.4f}; stats {stats}")
@@ -109,7 +111,7 @@ def main(argv):
         os.makedirs(FLAGS.out, exist_ok=True)
         np.savez(os.path.join(FLAGS.out, f"weights_{rank}.npz"), *model.get_weights())
         with open(os.path.join(FLAGS.out, f"result_{rank}.json"), "w") as f:
-            json.dump({"accuracy": acc, "stats": stats}, f)
+            json.dump({"accuracy": acc, "stats": stats, "epochs_run": epochs_run}, f)
     return 0
 
 
