@@ -281,3 +281,19 @@ def test_collective_gathers_narrow_payloads_bit_for_bit(devices, name):
                     ops.stats()["last_bytes_sent"]))
     np.testing.assert_array_equal(got[0][0], got[1][0])
     assert got[0][1] == got[1][1]
+
+
+@pytest.mark.parametrize("name", ["topk", "randomk", "adaptive", "fp16"])
+def test_bucket_of_zero_size_tensors_is_not_exchanged(name, devices):
+    ops = gs.CompressedAllReduce(name, bucket_bytes=16)
+    strategy = tf.distribute.MirroredStrategy(devices, cross_device_ops=ops)
+
+    @tf.function
+    def run():
+        return strategy.run(lambda: tf.distribute.get_replica_context().all_reduce(
+            "SUM", [tf.zeros([0, 3]), tf.ones([4])]))
+
+    empty, ones = run()
+    for t in strategy.experimental_local_results(empty):
+        assert t.shape == (0, 3)
+    assert np.isfinite(strategy.experimental_local_results(ones)[0].numpy()).all()

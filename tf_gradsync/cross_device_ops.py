@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import tensorflow as tf
@@ -52,12 +53,17 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
     def __init__(self, compression: str | Compressor = "none", *, bucket_bytes: int = 32 * 2**20,
                  algorithm: str = "auto", error_feedback: bool | None = None,
                  timeout_seconds: float | None = None, name: str | None = None):
+        if name is not None and not isinstance(name, str):
+            raise ValueError(f"name must be a string or None, got {name!r}")
         tf.distribute.CrossDeviceOps.__init__(self)
         tf.Module.__init__(self, name=name or "compressed_all_reduce")
         if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be a positive integer, got {bucket_bytes!r}")
-        if timeout_seconds is not None and not timeout_seconds > 0:
-            raise ValueError(f"timeout_seconds must be positive or None, got {timeout_seconds!r}")
+        if timeout_seconds is not None and (
+                isinstance(timeout_seconds, bool) or not isinstance(timeout_seconds, (int, float))
+                or not 0 < timeout_seconds < math.inf):
+            raise ValueError("timeout_seconds must be a positive, finite number of seconds or "
+                             f"None, got {timeout_seconds!r}")
         self._compressor = _with_error_feedback(get(compression), error_feedback)
         self._algorithm = algorithms.validate(algorithm)
         self._bucket_bytes = bucket_bytes
@@ -176,7 +182,7 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
 
 
 def _with_error_feedback(compressor: Compressor, error_feedback: bool | None) -> Compressor:
-    if error_feedback not in (None, True, False):
+    if not (error_feedback is None or isinstance(error_feedback, bool)):
         raise ValueError(f"error_feedback must be True, False or None, got {error_feedback!r}")
     if error_feedback is False or (error_feedback is None and compressor.unbiased):
         return compressor

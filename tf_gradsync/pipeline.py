@@ -131,8 +131,12 @@ class Pipeline:
         # exchange starts as soon as its own gradients exist.
         for b in plan.buckets:
             with tf.name_scope(f"bucket_{b.id}"):
-                reduced = self._bucket(compressor, reduce_op, plan, b, [f[b.id] for f in flats],
-                                       src, dests, wire, step, timeout)
+                if b.numel == 0:    # only zero-size tensors: nothing to exchange
+                    reduced = [tf.zeros([0], b.dtype) for _ in dests]
+                else:
+                    reduced = self._bucket(compressor, reduce_op, plan, b,
+                                           [f[b.id] for f in flats], src, dests, wire, step,
+                                           timeout)
             for k, y in enumerate(reduced):
                 out_flats[k].append(y)
             # Reference, summed over local replicas: an uncompressed ring all-reduce over

@@ -12,14 +12,17 @@ import tensorflow as tf
 
 
 def check_number(name: str, value, low: float, high: float = math.inf, *,
-                 low_open: bool = False, integer: bool = False) -> None:
-    """Raises ValueError unless `low <= value <= high` (`low < value` if `low_open`)."""
+                 low_open: bool = False, high_open: bool = False, integer: bool = False) -> None:
+    """Raises ValueError unless `low <= value <= high` (`<` on an open end)."""
     kind = "an integer" if integer else "a number"
     ok_type = isinstance(value, int) if integer else isinstance(value, (int, float))
-    bounds = f"{'(' if low_open else '['}{low}, {high}{']' if high != math.inf else ')'}"
+    closed_high = high != math.inf and not high_open
+    bounds = f"{'(' if low_open else '['}{low}, {high}{']' if closed_high else ')'}"
     if isinstance(value, bool) or not ok_type:
         raise ValueError(f"{name} must be {kind} in {bounds}, got {value!r}")
-    if not (value > low if low_open else value >= low) or not value <= high:
+    above = value > low if low_open else value >= low
+    below = value < high if high_open else value <= high
+    if not (above and below):
         raise ValueError(f"{name} must be in {bounds}, got {value!r}")
 
 

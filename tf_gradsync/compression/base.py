@@ -201,12 +201,14 @@ def get(name: str | Compressor, **kwargs) -> Compressor:
     """
     if isinstance(name, Compressor):
         if kwargs:
-            raise ValueError(f"got a compressor instance {name!r} and extra arguments {kwargs}")
+            raise ValueError(f"got a compressor instance {name!r} and arguments {kwargs}; pass "
+                             "either a registered name with arguments or an instance alone")
         return name
     if not isinstance(name, str) or name not in _REGISTRY:
         raise ValueError(f"unknown compressor {name!r}; valid names: {', '.join(names())}")
     cls = _REGISTRY[name]
-    params = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
+    params = [p.name for p in inspect.signature(cls.__init__).parameters.values()
+              if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
     unknown = sorted(set(kwargs) - set(params))
     if unknown:
         raise ValueError(f"compressor {name!r} got unknown arguments {unknown}; "

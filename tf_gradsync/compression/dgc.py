@@ -60,9 +60,7 @@ class DGC(Compressor):
     def __init__(self, ratio: float = 0.001, momentum: float = 0.9, clip_norm: float | None = None,
                  warmup_steps: int = 0, warmup_ratio: float = 0.25, sample_ratio: float = 0.01):
         _util.check_number("ratio", ratio, 0, 1, low_open=True)
-        _util.check_number("momentum", momentum, 0, 1)
-        if momentum == 1:
-            raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
+        _util.check_number("momentum", momentum, 0, 1, high_open=True)
         if clip_norm is not None:
             _util.check_number("clip_norm", clip_norm, 0, low_open=True)
         _util.check_number("warmup_steps", warmup_steps, 0, integer=True)
