@@ -304,7 +304,7 @@ def test_eager_collective_after_a_graph_collective(name, devices):
     # Eager calls build their collectives into one function with inputs placed first;
     # they must not wait on a graph-mode collective launched earlier in the process.
     ops = gs.CompressedAllReduce(gs.compression.get(name), algorithm="collective",
-                                 timeout_seconds=60)
+                                 error_feedback=False, timeout_seconds=60)
     strategy = tf.distribute.MirroredStrategy(devices, cross_device_ops=ops)
 
     @tf.function
