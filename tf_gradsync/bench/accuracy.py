@@ -37,6 +37,7 @@ NOT_REACHED = "not reached"
 COLUMNS = ["mode", "accuracy", "vs_stock_pts", "vs_none_pts", "epochs_to_target",
            "seconds_to_target", "bytes_per_step", "ratio", "train_s"]
 PLOT = (("mode", "accuracy", "final test accuracy"),
+        ("mode", "epochs_to_target", "epochs to target accuracy"),
         ("mode", "seconds_to_target", "seconds to target accuracy"))
 
 

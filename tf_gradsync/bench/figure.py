@@ -59,7 +59,7 @@ def panels(rows: Sequence[dict], columns: Sequence[str], plot=None) -> list[Pane
 
 def write_png(rows: Sequence[dict], columns: Sequence[str], path: str, plot=None,
               title: str = "") -> str:
-    """Draws one bar chart per panel (side by side) and saves it as a PNG.
+    """Draws one bar chart per panel (one above the other) and saves it as a PNG.
 
     Args:
       rows: the suite's result rows.
@@ -87,8 +87,8 @@ def write_png(rows: Sequence[dict], columns: Sequence[str], path: str, plot=None
         raise ImportError("--png needs matplotlib: pip install 'tf_gradsync[bench]' "
                           "(or pip install matplotlib)") from e
     # A bare Figure renders with Agg on savefig; pyplot (and its global backend) is not needed.
-    fig = Figure(figsize=(max(6.0, 0.6 * len(rows) + 2) * len(chosen), 4.5), layout="constrained")
-    axes = fig.subplots(1, len(chosen), squeeze=False)[0]
+    fig = Figure(figsize=(max(6.0, 0.6 * len(rows) + 2), 4.0 * len(chosen)), layout="constrained")
+    axes = fig.subplots(len(chosen), 1, squeeze=False)[:, 0]
     for ax, panel in zip(axes, chosen):
         _bars(ax, rows, *panel)
     if title:

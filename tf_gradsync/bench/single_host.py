@@ -7,7 +7,8 @@ Modes:
                  its CollectiveAllReduce (CollectiveReduceV2 ops over the local
                  devices), so this differs from ReductionToOneDevice: `vs_default`.
   stock_hier     tf.distribute.HierarchicalCopyAllReduce.
-  <compressor>   tf_gradsync.CompressedAllReduce(<compressor>) (defaults for the rest).
+  <compressor>   tf_gradsync.CompressedAllReduce(<compressor>), `--bucket_bytes` if given,
+                 defaults for the rest.
 tf.distribute.NcclAllReduce needs GPUs and is not run.
 
 Every mode builds the same model (Dense layers on synthetic data) and a custom step in a
@@ -37,6 +38,8 @@ flags.DEFINE_integer("layers", 3, "single_host: hidden Dense layers (then a Dens
 flags.DEFINE_integer("global_batch", 64, "single_host: global batch size.")
 flags.DEFINE_integer("rounds", 10, "single_host: round-robin rounds over the modes.")
 flags.DEFINE_integer("steps_per_round", 10, "single_host: timed steps of each mode per round.")
+flags.DEFINE_integer("bucket_bytes", None, "single_host: bucket_bytes of ours (default: the "
+                     "CompressedAllReduce default).")
 FLAGS = flags.FLAGS
 
 REPLICAS = 4
@@ -91,7 +94,8 @@ def make_step(strategy: tf.distribute.Strategy, width: int, layers: int,
 
 
 def measure(modes: Sequence[str], devices: Sequence[str], width: int, layers: int,
-            global_batch: int, rounds: int, steps_per_round: int) -> list[dict]:
+            global_batch: int, rounds: int, steps_per_round: int,
+            bucket_bytes: int | None = None) -> list[dict]:
     """Times every mode round-robin in this process.
 
     Args:
@@ -100,6 +104,7 @@ def measure(modes: Sequence[str], devices: Sequence[str], width: int, layers: in
       width, layers: the model (see the flags).
       global_batch: global batch size (divisible by the number of devices).
       rounds, steps_per_round: timed steps per mode are their product.
+      bucket_bytes: bucket size of ours; None: the `CompressedAllReduce` default.
 
     Returns:
       One row per mode with the columns of `COLUMNS`: median step time in ms, its ratio
@@ -121,7 +126,8 @@ def measure(modes: Sequence[str], devices: Sequence[str], width: int, layers: in
                                  f"{', '.join('stock_' + k for k in STOCK)}")
             ops = STOCK[name]()
         else:
-            ops = ops_of[mode] = gs.CompressedAllReduce(mode)
+            kwargs = {} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}
+            ops = ops_of[mode] = gs.CompressedAllReduce(mode, **kwargs)
         strategy = tf.distribute.MirroredStrategy(list(devices), cross_device_ops=ops)
         print(f"[bench] single_host build {mode}", file=sys.stderr, flush=True)
         runners[mode], model = make_step(strategy, width, layers, global_batch)
@@ -159,5 +165,5 @@ def run() -> tuple[list[dict], list[str]]:
     modes = [f"stock_{s}" for s in FLAGS.stock_ops]
     modes += FLAGS.compressors or ["none", "fp16", "topk", "powersgd"]
     rows = measure(modes, devices, FLAGS.width, FLAGS.layers, FLAGS.global_batch,
-                   FLAGS.rounds, FLAGS.steps_per_round)
+                   FLAGS.rounds, FLAGS.steps_per_round, FLAGS.bucket_bytes)
     return rows, COLUMNS
