@@ -34,7 +34,8 @@ flags.DEFINE_integer("cluster_timeout", 900, "cluster: seconds one run may take.
 FLAGS = flags.FLAGS
 
 DEFAULT_COMPRESSORS = ("none", "fp16", "int8", "sign", "topk", "powersgd")
-COLUMNS = ["workers", "rate", "mode", "step_s", "speedup", "vs_compute", "stats_bytes",
+PLOT = ("mode", "speedup", "speed-up vs stock MWMS", "setup")
+COLUMNS = ["setup", "workers", "rate", "mode", "step_s", "speedup", "vs_compute", "stats_bytes",
            "wire_bytes", "wire_vs_stats", "ring_bound", "wire_vs_bound", "cores", "load"]
 BATCH = 16
 _PORT = 20000   # every namespace has its own ports, so all workers can use the same one
@@ -99,7 +100,7 @@ def measure(n: int, rate: str, modes: Sequence[str], params: int, steps: int,
         _live.append(net)
         for mode in ["compute", "stock", *modes]:
             ranks = _job(net, mode, params, steps, timeout)
-            row = {"workers": n, "rate": rate,
+            row = {"workers": n, "rate": rate, "setup": f"{n} workers, {rate}",
                    "mode": {"compute": "compute-only", "stock": "stock MWMS"}.get(mode, mode),
                    "params": ranks[0]["params"], "cores": f"{cores}/{n}", "load": load,
                    "step_s": sum(r["median_s"] for r in ranks) / n,
