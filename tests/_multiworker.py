@@ -28,12 +28,23 @@ def launch(tmp_path, workers, *args, env=None, timeout=600, launcher_args=()):
       `(completed process, output directory, seconds taken)`.
     """
     out = tmp_path / "out"
+    proc, seconds = run_launcher(EXAMPLE, workers, f"--out={out}", *args, env=env,
+                                 timeout=timeout, launcher_args=launcher_args)
+    return proc, out, seconds
+
+
+def run_launcher(script, workers, *args, env=None, timeout=600, launcher_args=()):
+    """Runs `script` with `args` on `workers` local workers through tf_gradsync.launch.
+
+    Returns:
+      `(completed process, seconds taken)`.
+    """
     cmd = [sys.executable, "-m", "tf_gradsync.launch", f"--num_workers={workers}",
-           "--grace_seconds=3", *launcher_args, "--", EXAMPLE, f"--out={out}", *args]
+           "--grace_seconds=3", *launcher_args, "--", str(script), *args]
     full_env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2", **(env or {}))
     start = time.monotonic()
     proc = subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout)
-    return proc, out, time.monotonic() - start
+    return proc, time.monotonic() - start
 
 
 def results(out, workers):

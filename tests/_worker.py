@@ -13,25 +13,19 @@ import argparse
 import hashlib
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import tensorflow as tf
 
 import _regression  # tests/_regression.py, next to this script
+from _multiworker import run_launcher
 import tf_gradsync as gs
-
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def launch(out, *args, workers: int = 2) -> list[dict]:
     """Runs this script on `workers` local workers (from a test); returns their results."""
-    cmd = [sys.executable, "-m", "tf_gradsync.launch", f"--num_workers={workers}",
-           "--grace_seconds=3", "--", os.path.abspath(__file__), f"--out={out}", *args]
-    env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2")
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    proc, _ = run_launcher(os.path.abspath(__file__), workers, f"--out={out}", *args,
+                           timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     return [json.loads(open(os.path.join(out, f"worker_{r}.json")).read()) for r in range(workers)]
 

@@ -119,8 +119,7 @@ def test_save_weights_carries_state(data, devices, tmp_path):
     _assert_same(model, ops, restored, ops2)
     # Loading into ops whose variables exist assigns them in place.
     restored.load_weights(path)
-    saved = {k: v for k, v in _state_values(ops2).items()}
-    assert saved["stats_steps"] == int(np.ceil(len(x) / BATCH))
+    assert _state_values(ops2)["stats_steps"] == int(np.ceil(len(x) / BATCH))
 
 
 def test_tf_train_checkpoint_custom_loop_resumes_exactly(devices, tmp_path):

@@ -67,12 +67,8 @@ class SyncState(tf.Module):
             # restore runs on insertion and must not become part of a traced step.
             with tf.init_scope():
                 var = _tf_compat.plain_variable(initial_value, name=key, device=device)
-                loaded = self._pending.values.pop(key, None)
-                if loaded is not None:
-                    if tuple(loaded.shape) != tuple(var.shape):
-                        raise ValueError(f"loaded value for {key!r} has shape {loaded.shape}, "
-                                         f"the variable has {tuple(var.shape)}")
-                    var.assign(loaded.astype(var.dtype.as_numpy_dtype))
+                if key in self._pending.values:
+                    _assign(var, key, self._pending.values.pop(key))
                 self._variables[key] = var
         return self._variables[key]
 
@@ -93,10 +89,14 @@ class SyncState(tf.Module):
         for key, value in values.items():
             value = np.asarray(value)
             if key in self._variables:
-                var = self._variables[key]
-                if tuple(value.shape) != tuple(var.shape):
-                    raise ValueError(f"value for {key!r} has shape {value.shape}, the variable "
-                                     f"has {tuple(var.shape)}")
-                var.assign(value.astype(var.dtype.as_numpy_dtype))
+                _assign(self._variables[key], key, value)
             else:
                 self._pending.values[key] = value
+
+
+def _assign(var: tf.Variable, key: str, value: np.ndarray) -> None:
+    """Assigns a loaded value, which must have the variable's shape."""
+    if tuple(value.shape) != tuple(var.shape):
+        raise ValueError(f"loaded value for {key!r} has shape {value.shape}, the variable "
+                         f"has {tuple(var.shape)}")
+    var.assign(value.astype(var.dtype.as_numpy_dtype))
