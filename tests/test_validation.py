@@ -22,6 +22,7 @@ from tf_gradsync import compression as C
 from tf_gradsync import launch
 from tf_gradsync.callbacks import CommunicationMonitor, StepMonitor
 from tf_gradsync.strategy import check_tf_config
+from _compress import roundtrip
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 NAMES = ", ".join(C.names())
@@ -52,7 +53,7 @@ CASES = [
          "got 2", "(0, 1]"),
     case("config-options-name",
          lambda: gs.SyncConfig(compression="qsgd", compression_options={"ratio": 0.1}),
-         "['ratio']", "valid arguments: ['levels']"),
+         "['ratio']", "valid arguments: ['levels', 'chunk']"),
     case("config-algorithm", lambda: gs.load_config({"algorithm": "ringg"}),
          "'ringg'", "auto, collective, ring, tree"),
     # ------------------------------------------------------------ CompressedAllReduce
@@ -282,6 +283,25 @@ def test_plan_round_trips_bounds_and_is_deterministic(specs, bucket_bytes, seed)
         np.testing.assert_array_equal(u.numpy(), t.numpy())
 
 
+@settings(max_examples=50, deadline=None)
+@given(specs_st, st.integers(1, 512), st.integers(0, 2**32 - 1))
+def test_plan_round_trips_bounds_and_is_deterministic(specs, bucket_bytes, seed):
+    rng = np.random.default_rng(seed)
+    tensors = [_tensor(s, d, rng) for s, d in specs]
+    plan = gs.plan_buckets([(t.shape, t.dtype) for t in tensors], bucket_bytes)
+    # Every tensor exactly once; one dtype per bucket; the bound holds unless alone.
+    assert sorted(s.index for b in plan.buckets for s in b.slots) == list(range(len(specs)))
+    for b in plan.buckets:
+        assert all(tensors[s.index].dtype == b.dtype for s in b.slots)
+        assert b.nbytes <= bucket_bytes or len(b.slots) == 1
+    # Same input (rebuilt from plain Python values) -> same plan and fingerprint.
+    again = gs.plan_buckets([(list(s), tf.as_dtype(d).name) for s, d in specs], bucket_bytes)
+    assert again == plan and again.fingerprint == plan.fingerprint
+    for t, u in zip(tensors, plan.unpack(plan.pack(tensors))):
+        assert u.dtype == t.dtype and u.shape == t.shape
+        np.testing.assert_array_equal(u.numpy(), t.numpy())
+
+
 # ------------------------------------------------------------ compressor round trips
 FLOATS = [tf.float16, tf.bfloat16, tf.float32, tf.float64]
 #: Relative error of one rounding to the wire dtype (half an ulp, with margin).
@@ -289,21 +309,8 @@ WIRE_RTOL = {"fp16": 2.0**-11, "bf16": 2.0**-8}
 
 
 def _roundtrip(c: C.Compressor, x: tf.Tensor) -> tf.Tensor:
-    """decompress(compress(x)) on one replica, multi-round compressors included."""
-    n = int(x.shape[0])
-    state = {k: tf.Variable(s.initializer(s.shape, s.dtype), trainable=False)
-             for k, s in c.state_spec(n, x.dtype).items()}
-    ctx = C.Context(state=state, step=tf.constant(0, tf.int64),
-                    seed=tf.constant([3, 4], tf.int64), num_replicas=1)
-    if isinstance(c, C.RoundCompressor):
-        payload, carry = c.first_round(x, ctx)
-        while True:   # one replica: each round's sum is its own payload
-            following, carry = c.next_round(payload, carry, ctx)
-            if following is None:
-                return c.finish(payload, carry, ctx)
-            payload = following
-    payload, meta = c.compress(x, ctx)
-    return c.decompress(payload, meta)
+    """What x becomes on one replica, every compressor through the protocol driver."""
+    return roundtrip(c, x, seed=(3, 4))
 
 
 @settings(max_examples=50, deadline=None)

@@ -7,6 +7,7 @@ publicly. Keeping these imports here means a TensorFlow upgrade touches one file
 
 from __future__ import annotations
 
+import sys
 from typing import Sequence
 
 import tensorflow as tf
@@ -15,6 +16,7 @@ from tensorflow.python.distribute import distribute_lib as _distribute_lib
 from tensorflow.python.distribute import distribute_utils as _distribute_utils
 from tensorflow.python.distribute import values as _values
 from tensorflow.python.ops import collective_ops as _collective_ops
+from tensorflow.python.ops import gen_random_index_shuffle_ops as _gen_index_shuffle
 from tensorflow.python.ops import resource_variable_ops as _resource_variable_ops
 
 #: TF's own broadcast by plain copies.
@@ -72,6 +74,22 @@ def collective_all_gather(t: tf.Tensor, group_size: int, group_key: int, instanc
         communication_hint="ring", timeout=timeout, ordering_token=ordering_token)
 
 
+def index_shuffle(index: tf.Tensor, seed: tf.Tensor, max_index: tf.Tensor) -> tf.Tensor:
+    """`tf.random.experimental.index_shuffle` with one seed per element.
+
+    Args:
+      index: int32 [K] positions.
+      seed: int64 [K, 3] seeds, one per element (the public wrapper pads a batch of
+        seeds along the wrong axis, so the raw op is called here).
+      max_index: int32 [K] inclusive upper bounds.
+
+    Returns:
+      int32 [K]: the position of each index in its seed's permutation of [0, max_index].
+    """
+    return _gen_index_shuffle.random_index_shuffle(index, seed=seed, max_index=max_index,
+                                                   rounds=4)
+
+
 def use_merge_call_for_all_reduce(extended) -> None:
     """Makes a CollectiveAllReduceExtended send replica-context all-reduces through
     merge_call -> batch_reduce, so that custom cross-device ops see every local replica
@@ -96,6 +114,33 @@ def _merge_call_subclass(cls):
             "_replica_ctx_all_reduce": _replica_ctx_all_reduce,
         })
     return _MERGE_CALL_CLASSES[cls]
+
+
+def calling_optimizer():
+    """The Keras optimizer applying gradients right now, or None.
+
+    Gradient all-reduces run inside the optimizer's `apply_gradients` (Keras 3 and
+    tf_keras alike); under MirroredStrategy the optimizer's frames are on a replica
+    thread while the all-reduce runs on the main one, so every thread's stack is
+    searched for a method of an optimizer.
+    """
+    frames = [sys._getframe()] + list(sys._current_frames().values())  # pylint: disable=protected-access
+    for frame in frames:
+        while frame is not None:
+            obj = frame.f_locals.get("self")
+            if obj is not None and _is_keras_optimizer(obj):
+                return obj
+            frame = frame.f_back
+    return None
+
+
+def _is_keras_optimizer(obj) -> bool:
+    for cls in type(obj).__mro__:
+        module = cls.__module__ or ""
+        if cls.__name__ in ("Optimizer", "OptimizerV2", "BaseOptimizer") and \
+                module.split(".")[0] in ("keras", "tf_keras"):
+            return True
+    return False
 
 
 def keras_saveable_base() -> type:

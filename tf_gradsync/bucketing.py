@@ -15,6 +15,8 @@ from typing import Sequence
 import numpy as np
 import tensorflow as tf
 
+from tf_gradsync.compression.base import Layout
+
 
 @dataclasses.dataclass(frozen=True)
 class Slot:
@@ -41,6 +43,11 @@ class Bucket:
     @property
     def nbytes(self) -> int:
         return self.numel * self.dtype.size
+
+    @property
+    def layout(self) -> Layout:
+        """What a compressor sees of this bucket: its tensors' shapes, in order."""
+        return Layout(tuple(s.shape for s in self.slots), self.dtype)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,7 +8,7 @@ from typing import Sequence
 import tensorflow as tf
 
 from tf_gradsync import _tf_compat, algorithms
-from tf_gradsync.compression import Compressor, RoundCompressor, get
+from tf_gradsync.compression import Compressor, ErrorFeedback, get
 from tf_gradsync.pipeline import Pipeline, path_of
 from tf_gradsync.state import SyncState
 from tf_gradsync.stats import Stats
@@ -36,6 +36,9 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
         Compressors with their own memory (PowerSGD, DGC) refuse True.
       timeout_seconds: a collective whose peers do not arrive within this time fails
         instead of hanging (None: wait forever).
+      measure_error: compute each step's relative compression error for `stats()`
+        (`comm_error`); it costs a decode of each replica's own payload and two norms
+        per bucket where the compressor does not compute them anyway.
       name: name of the module (for checkpoints).
 
     Raises:
@@ -52,7 +55,8 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
 
     def __init__(self, compression: str | Compressor = "none", *, bucket_bytes: int = 32 * 2**20,
                  algorithm: str = "auto", error_feedback: bool | None = None,
-                 timeout_seconds: float | None = None, name: str | None = None):
+                 timeout_seconds: float | None = None, measure_error: bool = True,
+                 name: str | None = None):
         if name is not None and not isinstance(name, str):
             raise ValueError(f"name must be a string or None, got {name!r}")
         tf.distribute.CrossDeviceOps.__init__(self)
@@ -64,6 +68,8 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
                 or not 0 < timeout_seconds < math.inf):
             raise ValueError("timeout_seconds must be a positive, finite number of seconds or "
                              f"None, got {timeout_seconds!r}")
+        if not isinstance(measure_error, bool):
+            raise ValueError(f"measure_error must be True or False, got {measure_error!r}")
         self._compressor = _with_error_feedback(get(compression), error_feedback)
         self._algorithm = algorithms.validate(algorithm)
         self._bucket_bytes = bucket_bytes
@@ -72,7 +78,8 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
         self._state = SyncState()
         self._stats = Stats(self._state)
         self._pipeline = Pipeline(self._compressor, self._algorithm, bucket_bytes,
-                                  self._stats, self._state, timeout_seconds or 0)
+                                  self._stats, self._state, timeout_seconds or 0,
+                                  measure_error)
         self._exact_ops = None
 
     def join_cluster(self, num_workers: int, exact_ops: tf.distribute.CrossDeviceOps) -> None:
@@ -184,15 +191,12 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
 def _with_error_feedback(compressor: Compressor, error_feedback: bool | None) -> Compressor:
     if not (error_feedback is None or isinstance(error_feedback, bool)):
         raise ValueError(f"error_feedback must be True, False or None, got {error_feedback!r}")
-    if error_feedback is False or (error_feedback is None and compressor.unbiased):
+    if isinstance(compressor, ErrorFeedback) or error_feedback is False:
         return compressor
-    from tf_gradsync.compression.error_feedback import ErrorFeedback
-    if isinstance(compressor, ErrorFeedback):
-        return compressor
-    own = isinstance(compressor, RoundCompressor) or getattr(compressor, "has_own_memory", False)
-    if error_feedback and own:
+    if error_feedback and compressor.has_own_memory:
         raise ValueError(f"{compressor!r} keeps its own error memory; leave error_feedback unset")
     if error_feedback is None:
-        error_feedback = not compressor.unbiased and not own
+        error_feedback = compressor.default_error_feedback
+        if error_feedback is None:
+            error_feedback = not compressor.unbiased and not compressor.has_own_memory
     return ErrorFeedback(compressor) if error_feedback else compressor
-

@@ -17,6 +17,8 @@ class Stats:
     """
 
     _FIELDS = ("bytes_sent", "bytes_dense", "steps", "last_bytes_sent", "last_bytes_dense")
+    #: Float fields: the last step's squared compression error and input norm.
+    _ERROR_FIELDS = ("last_error_sq", "last_norm_sq")
 
     def __init__(self, state: SyncState | None = None):
         self._store = state if state is not None else SyncState()
@@ -30,14 +32,26 @@ class Stats:
         if not self._vars:
             self._vars = {f: self._store.variable(f"stats_{f}", lambda: tf.constant(0, tf.int64))
                           for f in self._FIELDS}
+            self._vars.update({
+                f: self._store.variable(f"stats_{f}", lambda: tf.constant(0.0, tf.float64))
+                for f in self._ERROR_FIELDS})
 
     def step_counter(self) -> tf.Tensor:
         """Synchronisations completed so far (read before this step's increment)."""
         self._ensure()
         return self._vars["steps"].read_value()
 
-    def record(self, sent: tf.Tensor, dense: tf.Tensor, count_step: bool) -> None:
-        """Adds one reduction's per-replica bytes (int64 scalars)."""
+    def record(self, sent: tf.Tensor, dense: tf.Tensor, count_step: bool,
+               errors=()) -> None:
+        """Adds one reduction's per-replica bytes (int64 scalars).
+
+        Args:
+          sent: bytes sent per replica.
+          dense: what an uncompressed ring all-reduce would have sent per replica.
+          count_step: this reduction synchronised gradients (a step).
+          errors: `(error_sq, norm_sq)` float64 scalars of the compressed buckets
+            (||x - C(x)||^2 and ||x||^2 summed over local replicas).
+        """
         self._ensure()
         v = self._vars
         v["bytes_sent"].assign_add(sent)
@@ -46,11 +60,14 @@ class Stats:
             v["steps"].assign_add(1)
             v["last_bytes_sent"].assign(sent)
             v["last_bytes_dense"].assign(dense)
+            if errors:
+                v["last_error_sq"].assign(tf.add_n([e for e, _ in errors]))
+                v["last_norm_sq"].assign(tf.add_n([s for _, s in errors]))
 
     def reset(self) -> None:
         self._ensure()
-        for field in self._FIELDS:
-            self._vars[field].assign(0)
+        for field in self._FIELDS + self._ERROR_FIELDS:
+            self._vars[field].assign(tf.zeros_like(self._vars[field]))
 
     def as_dict(self) -> dict[str, float]:
         """Current values as Python numbers, plus the derived compression ratio.
@@ -59,11 +76,16 @@ class Stats:
           `bytes_sent` and `bytes_dense` (cumulative bytes per replica, sent and what
           an uncompressed ring all-reduce would send), `steps`, `last_bytes_sent`,
           `last_bytes_dense` (of the latest gradient synchronisation),
-          `bytes_sent_per_step`, and `compression_ratio` (dense / sent; 1.0 before any
-          traffic).
+          `bytes_sent_per_step`, `compression_ratio` (dense / sent; 1.0 before any
+          traffic), and `comm_error`: the latest step's relative compression error
+          ||x - C(x)|| / ||x|| over its buckets and local replicas, x what each replica
+          compressed (its gradient, plus its residual under error feedback) and C(x)
+          what its payload decodes to (0.0 before any step, and when not measured).
         """
         self._ensure()
         out = {f: int(self._vars[f].numpy()) for f in self._FIELDS}
+        err, norm = (float(self._vars[f].numpy()) for f in self._ERROR_FIELDS)
+        out["comm_error"] = (err / norm) ** 0.5 if norm > 0 else 0.0
         out["compression_ratio"] = (out["bytes_dense"] / out["bytes_sent"]
                                     if out["bytes_sent"] else 1.0)
         out["bytes_sent_per_step"] = out["bytes_sent"] / out["steps"] if out["steps"] else 0.0

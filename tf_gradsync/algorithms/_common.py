@@ -6,37 +6,43 @@ from typing import Sequence
 
 import tensorflow as tf
 
-from tf_gradsync.compression.base import nbytes
-
 # Per device, a list of payload tensors (one entry per payload tensor of a bucket).
 DevicePayloads = Sequence[Sequence[tf.Tensor]]
 
 
 class Wire:
-    """Moves tensors between devices and counts every byte that crosses."""
+    """Moves tensors between devices and counts every byte that crosses.
+
+    Payloads have static shapes, so their bytes are a Python int (`static`); tensors of
+    run-time size (IndexedSlices rows) are counted by graph ops (`total`).
+    """
 
     def __init__(self):
-        self._bytes: list[tf.Tensor] = []
+        self.static = 0
+        self._dynamic: list[tf.Tensor] = []
 
     def send(self, t: tf.Tensor, device: str) -> tf.Tensor:
         """Copies `t` to `device`; the copy is the transfer that gets counted."""
         with tf.device(device):
             out = tf.identity(t)
-        self._bytes.append(nbytes([out]))
+        self._count(out)
         return out
 
     def fed(self, tensors: Sequence[tf.Tensor], num: int, den: int = 1) -> None:
         """Counts tensors handed to a collective op that sends num/den of its input."""
-        self._bytes.append(nbytes(tensors) * num // den)
+        for t in tensors:
+            self._count(t, num, den)
 
-    def absorb(self, other: "Wire") -> tf.Tensor:
-        """Adds another wire's transfers to this one; returns their bytes."""
-        self._bytes.extend(other._bytes)
-        return other.bytes()
+    def _count(self, t: tf.Tensor, num: int = 1, den: int = 1) -> None:
+        n = t.shape.num_elements()
+        if n is None:
+            self._dynamic.append(tf.size(t, out_type=tf.int64) * t.dtype.size * num // den)
+        else:
+            self.static += n * t.dtype.size * num // den
 
-    def bytes(self) -> tf.Tensor:
-        """Total bytes sent by all devices (int64 scalar)."""
-        return tf.add_n(self._bytes) if self._bytes else tf.constant(0, tf.int64)
+    def total(self) -> tf.Tensor:
+        """All bytes sent so far (int64 scalar)."""
+        return tf.add_n([tf.constant(self.static, tf.int64), *self._dynamic])
 
 
 def accumulate(a: tf.Tensor, b: tf.Tensor) -> tf.Tensor:

@@ -95,30 +95,22 @@ def all_reduce(payloads: DevicePayloads, devices: Sequence[str], wire: Wire,
 
 def all_gather(payloads: DevicePayloads, devices: Sequence[str], wire: Wire,
                group_size: int | None = None, timeout: float = 0,
-               role: Hashable = None, variant=None) -> list[list[list[tf.Tensor]]]:
+               role: Hashable = None) -> list[list[list[tf.Tensor]]]:
     """Gathers every member's payload with CollectiveGatherV2.
-
-    Args:
-      variant: None, or `(indices, count)` for payloads whose shapes change at run
-        time among `count` fixed layouts: per local device, the int32 index of this
-        step's layout. The runtime fixes a collective instance's shape when it first
-        runs, so each layout gets its own instance key, picked at run time.
 
     Returns:
       Per local device, the list of all members' payloads in rank order.
     """
     n = group_size or len(devices)
     gkey = group_key(role or ("local", tuple(devices)))
-    layouts = 1 if variant is None else variant[1]
-    keys = [[next_instance_key() for _ in range(layouts)] for _ in payloads[0]]
+    keys = [next_instance_key() for _ in payloads[0]]
 
-    def launch(payloads, index):
+    def launch(payloads):
         out = [[[] for _ in range(n)] for _ in devices]
-        for k, layout_keys in enumerate(keys):
+        for k, ikey in enumerate(keys):
             for i, d in enumerate(devices):
                 with tf.device(d):
                     t = payloads[i][k]
-                    ikey = layout_keys[0] if index is None else tf.gather(layout_keys, index[i])
                     gathered = _tf_compat.collective_all_gather(
                         tf.expand_dims(_to_words(t), 0), n, gkey, ikey, ordering_token(d),
                         timeout)
@@ -128,7 +120,7 @@ def all_gather(payloads: DevicePayloads, devices: Sequence[str], wire: Wire,
 
     for k in range(len(keys)):
         wire.fed([p[k] for p in payloads], n - 1)
-    return _in_graph(launch, payloads, devices, None if variant is None else variant[0])
+    return _in_graph(launch, payloads, devices)
 
 
 # CollectiveGatherV2 carries 16/32/64-bit types only; narrower payloads (packed bits,
@@ -153,14 +145,14 @@ def _from_words(words: tf.Tensor, like: tf.Tensor) -> tf.Tensor:
     return tf.reshape(flat, tf.shape(like))
 
 
-def _in_graph(launch, payloads, devices, *args):
+def _in_graph(launch, payloads, devices):
     """Eagerly, one device's collective would block before the next one launches, so
     build them all into one function, from inputs first copied to their own devices (a
     collective fed from another device waits forever); inside a graph, just build them."""
     if not tf.executing_eagerly():
-        return launch(payloads, *args)
+        return launch(payloads)
     placed = []
     for p, d in zip(payloads, devices):
         with tf.device(d):
             placed.append([tf.identity(t) for t in p])
-    return tf.function(launch)(placed, *args)
+    return tf.function(launch)(placed)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 
@@ -10,7 +11,7 @@ import tensorflow as tf
 from absl import flags
 
 from tf_gradsync import _tf_compat, compression
-from tf_gradsync.compression import Context, RoundCompressor
+from tf_gradsync.compression import Context, driver
 
 flags.DEFINE_list("sizes", ["1000000", "25000000"], "micro: bucket sizes (elements).")
 flags.DEFINE_integer("repeats", 5, "micro: timed repetitions.")
@@ -20,32 +21,38 @@ PLOT = ("compressor", "gb_per_s", "GB/s of float32 input", "numel")
 
 
 def roundtrip_fn(compressor, numel: int):
-    """A tf.function running one compress+decompress of an `numel` bucket, and its state."""
+    """A tf.function running one compress+decompress of an `numel` bucket (one replica,
+    every round through the protocol driver); it returns the result and the payload
+    bytes sent."""
+    layout = compression.Layout((matrix_shape(numel),))
     state = {name: _tf_compat.plain_variable(lambda s=spec: s.initializer(s.shape, s.dtype),
                                              name=name)
-             for name, spec in compressor.state_spec(numel, tf.float32).items()}
-    step = tf.Variable(0, dtype=tf.int64)
+             for name, spec in compressor.state_spec(layout).items()}
+    # Far past any warm-up: what is timed is the compressor's steady state.
+    step = tf.Variable(1 << 40, dtype=tf.int64)
+
+    def exchange(messages):
+        # One replica: each round's sum (or gather) is its own payload.
+        received, _ = driver.local_exchange(messages)
+        return received, compression.nbytes(messages[0].payload)
 
     @tf.function
     def run(x):
-        ctx = Context(state=state, step=step.read_value(), seed=tf.stack([step, 7]))
-        if isinstance(compressor, RoundCompressor):
-            payload, carry = compressor.first_round(x, ctx)
-            sent = list(payload)
-            while True:   # one replica: each round's sum is its own payload
-                nxt, carry = compressor.next_round(payload, carry, ctx)
-                if nxt is None:
-                    break
-                payload = nxt
-                sent += list(payload)
-            y = compressor.finish(payload, carry, ctx)
-        else:
-            payload, meta = compressor.compress(x, ctx)
-            sent = list(payload)
-            y = compressor.decompress(payload, meta)
+        ctx = Context(state=state, step=step.read_value(), seed=tf.stack([step, 7]),
+                      layout=layout)
+        outcome = driver.run(compressor, [x], [ctx], exchange)
         step.assign_add(1)
-        return y, compression.nbytes(sent)
+        return outcome.results[0], outcome.bytes
     return run
+
+
+def matrix_shape(numel: int) -> tuple[int, int]:
+    """The most nearly square [rows, cols] holding `numel` elements, as a weight matrix
+    (PowerSGD compresses matrices; every other compressor only sees the element count)."""
+    cols = math.isqrt(numel)
+    while numel % cols:
+        cols -= 1
+    return numel // cols, cols
 
 
 def measure(name: str, numel: int, repeats: int = 5) -> dict:
@@ -53,17 +60,17 @@ def measure(name: str, numel: int, repeats: int = 5) -> dict:
     compressor = compression.get(name)
     x = tf.random.stateless_normal([numel], (1, 2))
     run = roundtrip_fn(compressor, numel)
-    y, sent = run(x)               # trace + warm up
+    _, sent = run(x)               # trace + warm up
+    sent = int(sent)
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        y, sent = run(x)
-        y.numpy()
+        run(x)[0].numpy()
         times.append(time.perf_counter() - start)
     sec = float(np.median(times))
     dense = numel * 4
     return {"compressor": name, "numel": numel, "seconds": sec, "gb_per_s": dense / sec / 1e9,
-            "payload_bytes": int(sent), "ratio": dense / max(int(sent), 1)}
+            "payload_bytes": sent, "ratio": dense / max(sent, 1)}
 
 
 def run() -> tuple[list[dict], list[str]]:

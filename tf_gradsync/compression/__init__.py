@@ -1,7 +1,8 @@
 """Gradient compressors, looked up by name with `get(name, **kwargs)`."""
 
-from tf_gradsync.compression.base import (Compressor, Context, RoundCompressor, StateSpec, get, names,
-                                          nbytes, register)
+from tf_gradsync.compression.base import (GATHER, SUM, Compressor, Context, Layout, Message,
+                                          StateSpec, get, names, nbytes, register)
+from tf_gradsync.compression import driver
 # Importing the modules registers their compressors.
 from tf_gradsync.compression.none import NoCompression
 from tf_gradsync.compression.adaptive import Adaptive
@@ -19,7 +20,8 @@ from tf_gradsync.compression.threshold import Threshold
 from tf_gradsync.compression.topk import TopK
 
 __all__ = [
-    "Adaptive", "BFloat16", "Compressor", "Context", "DGC", "ErrorFeedback", "Float16", "Int8",
-    "NoCompression", "OneBit", "PowerSGD", "QSGD", "RandomK", "RoundCompressor", "Sign",
-    "StateSpec", "TernGrad", "Threshold", "TopK", "get", "names", "nbytes", "register",
+    "Adaptive", "BFloat16", "Compressor", "Context", "DGC", "ErrorFeedback", "Float16", "GATHER",
+    "Int8", "Layout", "Message", "NoCompression", "OneBit", "PowerSGD", "QSGD", "RandomK", "SUM",
+    "Sign", "StateSpec", "TernGrad", "Threshold", "TopK", "driver", "get", "names", "nbytes",
+    "register",
 ]

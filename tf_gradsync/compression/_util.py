@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import tensorflow as tf
+
+from tf_gradsync import _tf_compat
 
 
 def check_number(name: str, value, low: float, high: float = math.inf, *,
@@ -133,18 +136,18 @@ def top_k_indices(mag: tf.Tensor, k: int, full: tf.Tensor | bool = False,
     return tf.ensure_shape(tf.cond(enough, among_candidates, everything), [k])
 
 
-def select(mag: tf.Tensor, k, seed: tf.Tensor, sample_ratio: float,
+def select(mag: tf.Tensor, k: int, seed: tf.Tensor, sample_ratio: float,
            min_sample: int = 1000) -> tuple[tf.Tensor, tf.Tensor]:
     """Indices of (about) the `k` largest entries of `mag` >= 0, without a full top-k.
 
     A threshold is the top-2k cut of a random sample (scaled to its size); the
     candidates at or above it are then ranked and cut (or, if too few, padded) to
-    exactly `k`. Buckets no larger than the sample get an
-    exact top-k. Zeros are never selected.
+    exactly `k`. Buckets no larger than the sample get an exact top-k. Zeros are
+    never selected.
 
     Args:
       mag: 1-D magnitudes (float32/float64), static length n.
-      k: number of entries to return (Python int or int32 scalar tensor, 1 <= k <= n).
+      k: number of entries to return, 1 <= k <= n.
       seed: int64[2] stateless seed.
       sample_ratio: fraction of the bucket sampled (at least `min_sample` entries).
       min_sample: smallest sample.
@@ -155,13 +158,11 @@ def select(mag: tf.Tensor, k, seed: tf.Tensor, sample_ratio: float,
     """
     n = numel(mag)
     s = min(n, max(min_sample, math.ceil(sample_ratio * n)))
-    k = tf.convert_to_tensor(k, tf.int32)
     if s < n:
         sample = tf.gather(mag, tf.random.stateless_uniform([s], seed, 0, n, dtype=tf.int32))
         # Aim the threshold at about 2k entries so the candidates almost always hold
         # the true top k; ranking 2k candidates is still cheap.
-        ks = tf.clip_by_value(tf.cast(tf.math.ceil(tf.cast(k, tf.float64) * 2 * s / n), tf.int32),
-                              1, s)
+        ks = min(s, max(1, math.ceil(k * 2 * s / n)))
         thr = tf.math.top_k(sample, ks, sorted=True).values[ks - 1]
         cand = tf.cast(tf.where((mag >= thr) & (mag > 0))[:, 0], tf.int32)
         cand_mag = tf.gather(mag, cand)
@@ -172,3 +173,154 @@ def select(mag: tf.Tensor, k, seed: tf.Tensor, sample_ratio: float,
     valid = top.values > 0
     idx = tf.gather(tf.concat([cand, tf.zeros([k], tf.int32)], 0), top.indices)
     return tf.where(valid, idx, 0), valid
+
+
+class Segments:
+    """Contiguous segments of a flat bucket: its tensors, or chunks of its tensors.
+
+    Per-segment statistics take one segment reduction over the whole bucket rather
+    than one op per tensor, and a bucket of one segment takes plain reductions, so a
+    bucket of hundreds of small tensors and a bucket of one large one both stay cheap.
+
+    Args:
+      sizes: element count of each segment, in bucket order; empty ones are dropped
+        (they hold no elements).
+
+    Example:
+      >>> Segments([3, 0, 2]).expand(tf.constant([1.0, 2.0])).numpy()
+      array([1., 1., 1., 2., 2.], dtype=float32)
+    """
+
+    def __init__(self, sizes):
+        self.sizes = tuple(int(s) for s in sizes if s > 0)
+        self.count = len(self.sizes)
+        self.numel = sum(self.sizes)
+        self.offsets = tuple(int(o) for o in np.cumsum((0,) + self.sizes[:-1]))
+
+    @classmethod
+    def of(cls, layout) -> "Segments":
+        """One segment per tensor of a `Layout`."""
+        return cls(layout.sizes)
+
+    @classmethod
+    def chunks(cls, layout, chunk: int) -> "Segments":
+        """Each tensor of `layout` cut into chunks of `chunk` elements (the last shorter)."""
+        sizes = []
+        for size in layout.sizes:
+            full, rest = divmod(size, chunk)
+            sizes += [chunk] * full + ([rest] if rest else [])
+        return cls(sizes)
+
+    def ids(self) -> tf.Tensor:
+        """int32 [numel]: the segment of each element."""
+        return tf.repeat(tf.range(self.count, dtype=tf.int32), self.sizes)
+
+    def sum(self, v: tf.Tensor, ids: tf.Tensor | None = None) -> tf.Tensor:
+        """Per-segment sums, [count]."""
+        if self.count == 1:
+            return tf.reduce_sum(v, keepdims=True)
+        return tf.reshape(tf.math.segment_sum(v, self.ids() if ids is None else ids),
+                          [self.count])
+
+    def max(self, v: tf.Tensor, ids: tf.Tensor | None = None) -> tf.Tensor:
+        """Per-segment maxima, [count]."""
+        if self.count == 1:
+            return tf.reduce_max(v, keepdims=True)
+        return tf.reshape(tf.math.segment_max(v, self.ids() if ids is None else ids),
+                          [self.count])
+
+    def expand(self, per_segment: tf.Tensor) -> tf.Tensor:
+        """Each segment's value repeated over its elements ([1] for one segment, which
+        broadcasts)."""
+        if self.count == 1:
+            return per_segment
+        return tf.repeat(per_segment, self.sizes)
+
+
+def counts(ratio: float, seg: Segments) -> list[int]:
+    """k per segment: max(1, ceil(ratio * size)), at most the size."""
+    return [count(ratio, s) for s in seg.sizes]
+
+
+#: Segments at least this long are ranked alone (with the sampled fast paths); shorter
+#: ones are ranked together, padded to the next power of two.
+LARGE = 1 << 15
+
+
+def top_per_segment(mag: tf.Tensor, seg: Segments, ks, large=None):
+    """Indices of the `ks[t]` largest entries of each segment of `mag`.
+
+    Segments whose k is their size are sent whole; short segments are grouped by size
+    class (up to the next power of two) and ranked together by one `top_k` per class;
+    long ones go through `large(mag_segment, k) -> (indices, valid or None)`, by default
+    the exact `top_k_indices`. Ties go to the lower index, as in `tf.math.top_k`.
+
+    Args:
+      mag: 1-D magnitudes (>= 0), static length `seg.numel`.
+      seg: the segments.
+      ks: k per segment, 1 <= k <= size.
+      large: selection for long segments.
+
+    Returns:
+      `(indices, valid)`: int32 [sum(ks)] bucket indices, and a bool mask of the
+      entries that hold a selection (None when all do).
+    """
+    large = large or (lambda m, k: (top_k_indices(m, k), None))
+    idx_parts, valid_parts = [], []
+    whole = [t for t in range(seg.count) if ks[t] == seg.sizes[t]]
+    if whole:
+        idx_parts.append(tf.constant(np.concatenate(
+            [np.arange(seg.offsets[t], seg.offsets[t] + seg.sizes[t]) for t in whole]), tf.int32))
+        valid_parts.append(None)
+    classes: dict[int, list[int]] = {}
+    for t in range(seg.count):
+        if ks[t] < seg.sizes[t] < LARGE:
+            classes.setdefault(max(1, (seg.sizes[t] - 1).bit_length()), []).append(t)
+    if classes:
+        padded = tf.concat([mag, tf.constant([-1], mag.dtype)], 0)   # the pad never ranks
+    for bits, rows in sorted(classes.items()):
+        width = 1 << bits
+        table = np.full((len(rows), width), seg.numel, np.int32)
+        for r, t in enumerate(rows):
+            table[r, :seg.sizes[t]] = np.arange(seg.offsets[t], seg.offsets[t] + seg.sizes[t])
+        kmax = max(ks[t] for t in rows)
+        top = tf.math.top_k(tf.gather(padded, table), kmax, sorted=True).indices
+        # Row r keeps its first ks[r] (largest) columns.
+        flat = np.concatenate([r * kmax + np.arange(ks[t]) for r, t in enumerate(rows)])
+        rows_of = np.concatenate([np.full(ks[t], r) for r, t in enumerate(rows)])
+        cols = tf.gather(tf.reshape(top, [-1]), flat)
+        idx_parts.append(tf.gather(tf.constant(table.ravel()), rows_of * width + cols))
+        valid_parts.append(None)
+    for t in range(seg.count):
+        if ks[t] < seg.sizes[t] >= LARGE:
+            lo = seg.offsets[t]
+            idx, valid = large(mag[lo:lo + seg.sizes[t]], ks[t])
+            idx_parts.append(idx + lo)
+            valid_parts.append(valid)
+    idx = idx_parts[0] if len(idx_parts) == 1 else tf.concat(idx_parts, 0)
+    if all(v is None for v in valid_parts):
+        return idx, None
+    valid = [tf.ones([tf.compat.dimension_value(i.shape[0])], tf.bool) if v is None else v
+             for i, v in zip(idx_parts, valid_parts)]
+    return idx, tf.concat(valid, 0)
+
+
+def random_per_segment(seed: tf.Tensor, seg: Segments, ks) -> tf.Tensor:
+    """`ks[t]` distinct indices of each segment, drawn uniformly from a seeded
+    permutation of the segment (a different one per segment), in O(sum(ks)).
+
+    Returns:
+      int32 [sum(ks)] bucket indices; the same for the same seed on every device.
+    """
+    if seg.count == 1:
+        k, n = ks[0], seg.sizes[0]
+        if k == n:
+            return tf.range(n, dtype=tf.int32)
+        return tf.random.experimental.index_shuffle(tf.range(k), seed, n - 1)
+    owner = np.concatenate([np.full(k, t) for t, k in enumerate(ks)])
+    local = np.concatenate([np.arange(k) for k in ks]).astype(np.int32)
+    top = np.concatenate([np.full(k, s - 1) for k, s in zip(ks, seg.sizes)]).astype(np.int32)
+    seeds = tf.concat([tf.constant(owner[:, None], tf.int64),
+                       tf.broadcast_to(tf.cast(seed, tf.int64), [len(owner), 2])], 1)
+    pos = _tf_compat.index_shuffle(tf.constant(local), seeds, tf.constant(top))
+    return pos + tf.constant(np.asarray(seg.offsets, np.int32)[owner])

@@ -13,7 +13,7 @@ from typing import Sequence
 import tensorflow as tf
 
 from tf_gradsync.compression import _util
-from tf_gradsync.compression.base import Compressor, Context, StateSpec, get, register
+from tf_gradsync.compression.base import Compressor, Context, Layout, StateSpec, get, register
 from tf_gradsync.compression.randomk import RandomK
 from tf_gradsync.compression.threshold import Threshold
 from tf_gradsync.compression.topk import TopK
@@ -49,11 +49,11 @@ class Adaptive(Compressor):
     just sets the new reference. Every replica and worker takes the same decision,
     since it only depends on reduced values; a non-finite step is left out.
 
-    The payload is the inner sparsifier's at the chosen ratio: one of two fixed
-    layouts, picked by `variant` and exchanged by all-gather (for a random-k inner
-    too: the payload size changes between steps, and collective ops need one
-    instance per payload shape). Its length therefore changes at run time, and
-    bytes are counted from the tensors sent.
+    The payload is the inner sparsifier's at the chosen ratio (per tensor, as the
+    inner one takes it): one of two modes with payloads of fixed shapes, picked by
+    `mode`; it travels as the inner one's does (summed for random-k, gathered for
+    top-k and threshold). Its length therefore changes between steps, and bytes are
+    counted from the payload of the mode actually sent.
 
     State per bucket and replica: the interval's running sum [n] (float32, float64
     for float64 input), the step count, the previous interval's norm and the current
@@ -78,8 +78,6 @@ class Adaptive(Compressor):
       Agarwal et al., MLSys 2021 (see the module docstring).
     """
 
-    summable = False
-
     def __init__(self, inner: Compressor | str = "topk", min_ratio: float = 0.01,
                  max_ratio: float = 0.1, threshold: float = 0.5, interval: int = 100):
         valid = sorted(cls.name for cls in _SPARSIFIERS)
@@ -95,8 +93,9 @@ class Adaptive(Compressor):
         self.threshold, self.interval = threshold, interval
         ratios = (min_ratio,) if min_ratio == max_ratio else (min_ratio, max_ratio)
         self.variants = tuple(_with_ratio(self.inner, r) for r in ratios)
-        self.num_variants = len(self.variants)
+        self.num_modes = len(self.variants)
         self.unbiased = self.inner.unbiased
+        self.summable = self.inner.summable
 
     def check_input(self, x: tf.Tensor) -> None:
         self.inner.check_input(x)
@@ -107,45 +106,28 @@ class Adaptive(Compressor):
             return self
         return Adaptive(inner, self.min_ratio, self.max_ratio, self.threshold, self.interval)
 
-    def state_spec(self, numel: int, dtype: tf.DType) -> dict[str, StateSpec]:
+    def state_spec(self, layout: Layout) -> dict[str, StateSpec]:
         """`accum` [numel], `count` (int64), `prev_norm` (-1: none yet), `level` (1: critical)."""
-        wd = _util.work_dtype(dtype)
-        return {"accum": StateSpec((numel,), wd), "count": StateSpec((), tf.int64),
+        wd = _util.work_dtype(layout.dtype)
+        return {"accum": StateSpec((layout.numel,), wd), "count": StateSpec((), tf.int64),
                 "prev_norm": StateSpec((), wd, _minus_one),
                 "level": StateSpec((), tf.int32, _one)}
 
-    def variant(self, ctx: Context) -> tf.Tensor | None:
+    def mode(self, ctx: Context) -> tf.Tensor | None:
         """0: `min_ratio`, 1: `max_ratio` (critical); None when the two are equal."""
-        if self.num_variants == 1:
+        if self.num_modes == 1:
             return None
         return tf.identity(ctx.state["level"])
 
     def compress(self, x: tf.Tensor, ctx: Context):
-        """The inner sparsifier's payload at this step's ratio; meta `(index, metas)`."""
-        index = self.variant(ctx)
-        if index is None:
-            payload, meta = self.variants[0].compress(x, ctx)
-            return payload, (None, (meta,))
-        # Metadata must come out of the branches: the allowed sparsifiers' metadata
-        # holds Python values and ctx.seed only, which must be a tensor made here.
-        ctx = Context(state=ctx.state, step=tf.convert_to_tensor(ctx.step, tf.int64),
-                      seed=tf.convert_to_tensor(ctx.seed, tf.int64),
-                      num_replicas=ctx.num_replicas)
-        metas: list = [None] * self.num_variants
-
-        def branch(i: int):
-            payload, metas[i] = self.variants[i].compress(x, ctx)
-            return tuple(payload)
-        payload = tf.switch_case(index, [lambda i=i: branch(i) for i in range(self.num_variants)])
-        return tuple(payload), (index, tuple(metas))
+        """The inner sparsifier's payload at this mode's ratio; meta `(mode, inner meta)`."""
+        payload, meta = self.variants[ctx.mode].compress(x, ctx)
+        return payload, (ctx.mode, meta)
 
     def decompress(self, payload: Sequence[tf.Tensor], meta) -> tf.Tensor:
-        """The chosen variant's reconstruction."""
-        index, metas = meta
-        if index is None:
-            return self.variants[0].decompress(payload, metas[0])
-        return tf.switch_case(index, [lambda i=i: self.variants[i].decompress(payload, metas[i])
-                                      for i in range(self.num_variants)])
+        """The chosen ratio's reconstruction."""
+        mode, inner = meta
+        return self.variants[mode].decompress(payload, inner)
 
     def observe(self, reduced: tf.Tensor, ctx: Context) -> None:
         """Adds the reduced bucket to the interval's sum; at the interval's end, decides."""

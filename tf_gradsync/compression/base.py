@@ -1,21 +1,76 @@
-"""The compressor interface and the registry that finds compressors by name.
+"""The compressor interface, its round protocol, and the registry that finds compressors.
 
 A compressor turns one flat bucket into *payload* tensors, the only thing that leaves
-the device, plus local metadata needed to reconstruct the bucket. Compressors never
-communicate: the pipeline moves payloads with a communication algorithm, and sums them
-on the wire when the compressor declares them `summable`, or all-gathers them otherwise.
+the device. It works in *rounds*: each round yields a `Message` (payload tensors plus
+how they travel, summed or gathered) and receives what the exchange delivered; after
+the last round it returns the reduced bucket. Compressors never communicate: a driver
+(`tf_gradsync.compression.driver`) moves the messages, for the pipeline, the benchmarks
+and the tests alike. Most compressors have one round and only implement `compress` and
+`decompress`; multi-round ones (PowerSGD) override `rounds`.
+
+A bucket fuses many tensors, but statistics belong to tensors: every compressor sees
+the bucket's `Layout` (the shapes it holds, back to back) and computes its scales,
+norms, k or matrices per tensor, while still sending one fused payload per round.
 """
 
 from __future__ import annotations
 
 import abc
 import dataclasses
+import functools
 import inspect
-from typing import Any, Callable, ClassVar, Mapping, Sequence
+import zlib
+from typing import Any, Callable, ClassVar, Generator, Mapping, Sequence
 
+import numpy as np
 import tensorflow as tf
 
 Payload = tuple[tf.Tensor, ...]
+
+#: Transports of a round's payload. SUM: added elementwise on the wire (all-reduce);
+#: the sum decodes to the sum of the inputs. GATHER: every replica's payload reaches
+#: every replica (all-gather), which decodes each and adds them up.
+SUM = "sum"
+GATHER = "gather"
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """The tensors one flat bucket holds, back to back, in one dtype.
+
+    Attributes:
+      shapes: the shape of each tensor, in bucket order.
+      dtype: the bucket's dtype.
+
+    Example:
+      >>> Layout(((3, 4), (4,))).offsets
+      (0, 12)
+    """
+
+    shapes: tuple[tuple[int, ...], ...]
+    dtype: tf.DType = tf.float32
+
+    @classmethod
+    def flat(cls, numel: int, dtype: tf.DType = tf.float32) -> "Layout":
+        """A bucket holding one 1-D tensor of `numel` elements."""
+        return cls(((int(numel),),), tf.as_dtype(dtype))
+
+    @functools.cached_property
+    def sizes(self) -> tuple[int, ...]:
+        return tuple(int(np.prod(s, dtype=np.int64)) for s in self.shapes)
+
+    @functools.cached_property
+    def offsets(self) -> tuple[int, ...]:
+        return tuple(int(o) for o in np.cumsum((0,) + self.sizes[:-1]))
+
+    @property
+    def numel(self) -> int:
+        return sum(self.sizes)
+
+    @functools.cached_property
+    def tensors(self) -> tuple[int, ...]:
+        """Indices of the tensors that hold elements (zero-size ones carry nothing)."""
+        return tuple(i for i, s in enumerate(self.sizes) if s > 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,25 +100,90 @@ class Context:
         and worker for this bucket and step (so e.g. random-k picks the same
         coordinates everywhere), different across buckets and steps.
       num_replicas: how many replicas contribute to the reduction.
+      replica: an integer that differs between the replicas of one reduction (across
+        workers too); `replica_seed` mixes it into `seed` for noise that must be
+        independent per replica (stochastic rounding).
+      layout: the tensors the bucket holds; None: one flat tensor.
+      mode: which of the compressor's `num_modes` static configurations this call
+        builds (see `Compressor.mode`).
+      errors: where `record_error` collects this replica's compression error terms;
+        None: errors are not measured.
     """
 
     state: Mapping[str, tf.Variable] = dataclasses.field(default_factory=dict)
     step: tf.Tensor | int = 0
     seed: tf.Tensor | Sequence[int] = (0, 0)
     num_replicas: int = 1
+    replica: int = 0
+    layout: Layout | None = None
+    mode: int = 0
+    errors: list | None = dataclasses.field(default=None, compare=False)
+
+    def layout_of(self, x: tf.Tensor) -> Layout:
+        """The bucket's layout, or one flat tensor of `x`'s length when none was given."""
+        if self.layout is not None:
+            if self.layout.numel != x.shape.num_elements():
+                raise ValueError(f"layout holds {self.layout.numel} elements, the bucket "
+                                 f"{x.shape.num_elements()}")
+            return self.layout
+        return Layout.flat(x.shape.num_elements(), x.dtype)
+
+    def replica_seed(self) -> tf.Tensor:
+        """`seed` with this replica mixed in: independent noise per replica."""
+        seed = tf.convert_to_tensor(self.seed, tf.int64)
+        return seed + tf.constant([0, (self.replica + 1) * 0x9E3779B1], tf.int64)
+
+    def record_error(self, x: tf.Tensor, approx: tf.Tensor) -> None:
+        """Records ||x - approx||^2 and ||x||^2 (x: what was compressed, approx: what
+        this replica's payload decodes to) when errors are measured."""
+        if self.errors is None:
+            return
+        wd = tf.float64 if x.dtype == tf.float64 else tf.float32
+        x, approx = tf.cast(x, wd), tf.cast(approx, wd)
+        self.errors.append((tf.reduce_sum(tf.square(x - approx)), tf.reduce_sum(tf.square(x))))
+
+
+@dataclasses.dataclass(frozen=True)
+class Message:
+    """One round's payload and how it travels.
+
+    Attributes:
+      payload: the tensors to send; static shapes.
+      transport: `SUM` (all-reduce) or `GATHER` (all-gather).
+    """
+
+    payload: Payload
+    transport: str
+
+    def __post_init__(self):
+        if self.transport not in (SUM, GATHER):
+            raise ValueError(f"transport must be {SUM!r} or {GATHER!r}, got {self.transport!r}")
+
+
+#: What a round receives: for SUM, the summed payload; for GATHER, every replica's payload.
+Received = Any
+Rounds = Generator[Message, Received, tf.Tensor]
 
 
 class Compressor(abc.ABC):
     """Base class of all compressors.
 
-    Subclasses implement `compress` and `decompress` and declare:
+    A single-round compressor implements `compress` and `decompress` and declares:
       * `summable`: payloads from different replicas may be added elementwise and the
-        sum decompresses to the sum of the inputs, so they can be all-reduced;
-        otherwise they are all-gathered and decompressed one by one.
+        sum decompresses to the sum of the inputs, so they are all-reduced; otherwise
+        they are all-gathered and decompressed one by one.
       * `unbiased`: `E[decompress(compress(x))] == x`.
       * `prescale`: divide the input by the number of replicas before compressing so
         that sums on the wire stay within the payload dtype's range (fp16).
       * `floating_only`: reject non-floating input.
+      * `has_own_memory`: keeps its own error memory (no `ErrorFeedback` around it).
+      * `default_error_feedback`: whether `CompressedAllReduce` wraps it in
+        `ErrorFeedback` by default; None: when it is biased and has no memory.
+
+    A compressor with several static configurations (a warm-up stage, a ratio chosen
+    at run time) declares `num_modes` and picks one per step in `mode`; each mode has
+    payloads of fixed shapes, and the driver builds every mode's exchange and runs the
+    one picked. Multi-round compressors override `rounds`.
 
     Example:
       >>> c = tf_gradsync.compression.get("fp16")
@@ -78,62 +198,88 @@ class Compressor(abc.ABC):
     prescale: ClassVar[bool] = False
     floating_only: ClassVar[bool] = True
     has_own_memory: ClassVar[bool] = False
+    default_error_feedback: ClassVar[bool | None] = None
+    #: Static configurations picked at run time by `mode`.
+    num_modes: int = 1
 
-    def state_spec(self, numel: int, dtype: tf.DType) -> dict[str, StateSpec]:
+    def state_spec(self, layout: Layout) -> dict[str, StateSpec]:
         """State this compressor keeps per bucket and replica (none by default)."""
-        del numel, dtype
+        del layout
         return {}
 
-    @abc.abstractmethod
-    def compress(self, x: tf.Tensor, ctx: Context) -> tuple[Payload, Any]:
-        """Compresses a flat bucket.
+    def rounds(self, x: tf.Tensor, ctx: Context) -> Rounds:
+        """The round protocol: yields `Message`s, receives them exchanged, returns the sum.
+
+        The default is one round of `compress`; the result is the decompressed sum
+        (SUM) or the sum of every replica's decompressed payload (GATHER).
 
         Args:
-          x: 1-D floating tensor.
+          x: this replica's flat bucket.
           ctx: the call's `Context`.
 
         Returns:
-          `(payload, meta)`: payload tensors to send, and Python metadata that stays
-          local and must be identical on every replica for the same bucket.
+          A generator; its return value is the reduced bucket (the sum over replicas
+          of what their payloads decode to), identical on every replica.
         """
+        recorded = len(ctx.errors) if ctx.errors is not None else 0
+        payload, meta = self.compress(x, ctx)
+        payload = tuple(payload)
+        # `compress` may record the error of what it really compressed (DGC: its
+        # accumulated velocity); otherwise x against what the payload decodes to.
+        if ctx.errors is not None and len(ctx.errors) == recorded:
+            ctx.record_error(x, self.decompress(payload, meta))
+        received = yield Message(payload, SUM if self.summable else GATHER)
+        reduced = self.combine(received, meta)
+        self.observe(reduced, ctx)
+        return reduced
 
-    @abc.abstractmethod
+    def combine(self, received: Received, meta: Any) -> tf.Tensor:
+        """Decodes what a one-round exchange delivered into the reduced bucket."""
+        if self.summable:
+            return self.decompress(received, meta)
+        parts = [self.decompress(p, meta) for p in received]
+        # One reduction over the stacked parts, not add_n: Grappler rewrites an add_n
+        # differently on each device (the local part may have another consumer), which
+        # changes the summation order and lets replicas drift apart by a rounding error.
+        return parts[0] if len(parts) == 1 else tf.reduce_sum(tf.stack(parts), 0)
+
+    def observe(self, reduced: tf.Tensor, ctx: Context) -> None:
+        """Sees this step's reduced bucket (a no-op by default).
+
+        `reduced` is identical on every replica and worker, so state updated from it
+        (e.g. what `mode` reads) stays identical everywhere; it affects the next step.
+        """
+        del reduced, ctx
+
+    def compress(self, x: tf.Tensor, ctx: Context) -> tuple[Payload, Any]:
+        """Compresses a flat bucket (single-round compressors).
+
+        Args:
+          x: 1-D floating tensor laid out as `ctx.layout`.
+          ctx: the call's `Context`.
+
+        Returns:
+          `(payload, meta)`: payload tensors to send, and metadata that stays local and
+          is identical on every replica for the same bucket, step and mode.
+        """
+        raise NotImplementedError(f"{type(self).__name__} has no single-round codec")
+
     def decompress(self, payload: Sequence[tf.Tensor], meta: Any) -> tf.Tensor:
         """Reconstructs a flat bucket (or the sum of buckets, for summed payloads)."""
+        raise NotImplementedError(f"{type(self).__name__} has no single-round codec")
 
-    def payload_bytes(self, payload: Sequence[tf.Tensor]) -> tf.Tensor:
-        """Bytes of `payload`, computed from the tensors themselves (int64 scalar)."""
+    def payload_bytes(self, payload: Sequence[tf.Tensor]) -> int:
+        """Bytes of `payload`, from the tensors themselves."""
         return nbytes(payload)
 
-    #: How many fixed payload layouts `compress` chooses among at run time (see `variant`).
-    num_variants: int = 1
+    def mode(self, ctx: Context) -> tf.Tensor | None:
+        """This step's mode (int32 scalar tensor in [0, num_modes)), None with one mode.
 
-    def variant(self, ctx: Context) -> tf.Tensor | None:
-        """Which payload layout this step's payload has, or None for a static payload.
-
-        A compressor whose payload size changes at run time picks among
-        `num_variants` layouts of fixed shapes and returns the int32 index of this
-        step's pick. It must be equal on every replica and worker (derive it from
-        state updated by `observe`). Collective ops fix a tensor's shape per
-        collective instance, so the exchange uses one instance per layout. Such
-        payloads are all-gathered: a compressor with variants is not summable.
+        It must be equal on every replica and worker: derive it from the step or from
+        state that only changes with reduced values (identical everywhere).
         """
         del ctx
         return None
-
-    def observe(self, reduced: tf.Tensor, ctx: Context) -> None:
-        """Sees the final reduced bucket of this step (a no-op by default).
-
-        The pipeline calls it on every source replica with the reduced result, which
-        is identical on every replica and worker, so state updated from it (e.g.
-        for `variant`) stays identical everywhere. It runs after this step's
-        `compress`; what it stores affects the next step.
-
-        Args:
-          reduced: the reduced flat bucket (sum or mean, as requested).
-          ctx: this replica's `Context` for the bucket.
-        """
-        del reduced, ctx
 
     def for_error_feedback(self) -> "Compressor":
         """The form of this compressor to use under error feedback (itself by default).
@@ -143,6 +289,14 @@ class Compressor(abc.ABC):
         unscaled form here.
         """
         return self
+
+    def check_optimizer(self, optimizer: Any) -> None:
+        """Raises ValueError when this compressor cannot train with `optimizer`.
+
+        Called once per traced synchronisation with the Keras optimizer applying the
+        gradients (when one can be found). Nothing by default.
+        """
+        del optimizer
 
     def check_input(self, x: tf.Tensor) -> None:
         """Raises ValueError for input this compressor cannot handle."""
@@ -160,14 +314,20 @@ class Compressor(abc.ABC):
         return f"{type(self).__name__}({args})"
 
 
-def nbytes(tensors: Sequence[tf.Tensor]) -> tf.Tensor:
-    """Total bytes of `tensors` as an int64 scalar (a constant when shapes are static)."""
-    total = tf.constant(0, tf.int64)
+def nbytes(tensors: Sequence[tf.Tensor]) -> int:
+    """Total bytes of `tensors`, which must have static shapes (payloads always do)."""
+    total = 0
     for t in tensors:
         n = t.shape.num_elements()
-        size = tf.constant(n, tf.int64) if n is not None else tf.size(t, out_type=tf.int64)
-        total += size * t.dtype.size
+        if n is None:
+            raise ValueError(f"payload tensors need static shapes, got {t.shape}")
+        total += n * t.dtype.size
     return total
+
+
+def replica_id(device: str) -> int:
+    """A stable integer for a device string, distinct across the devices of a job."""
+    return zlib.crc32(tf.DeviceSpec.from_string(device).to_string().encode()) % (1 << 30)
 
 
 _REGISTRY: dict[str, type[Compressor]] = {}
@@ -214,34 +374,3 @@ def get(name: str | Compressor, **kwargs) -> Compressor:
         raise ValueError(f"compressor {name!r} got unknown arguments {unknown}; "
                          f"valid arguments: {params or 'none'}")
     return cls(**kwargs)
-
-
-class RoundCompressor(Compressor):
-    """A compressor whose payload is summed in several dependent rounds (PowerSGD).
-
-    The pipeline calls `first_round`, all-reduces its payload, hands the sum to
-    `next_round`, and so on until `next_round` returns `None` for the payload; then
-    `finish` turns the last sum into the reconstruction. Every round's payload is
-    summable. The compressor never communicates itself.
-    """
-
-    summable = True
-
-    @abc.abstractmethod
-    def first_round(self, x: tf.Tensor, ctx: Context) -> tuple[Payload, Any]:
-        """Returns the first payload and a local carry."""
-
-    @abc.abstractmethod
-    def next_round(self, reduced: Sequence[tf.Tensor], carry: Any,
-                   ctx: Context) -> tuple[Payload | None, Any]:
-        """Given the summed previous payload, returns the next payload (or None) and carry."""
-
-    @abc.abstractmethod
-    def finish(self, reduced: Sequence[tf.Tensor], carry: Any, ctx: Context) -> tf.Tensor:
-        """Given the last summed payload, returns the reconstruction (and updates state)."""
-
-    def compress(self, x, ctx):
-        raise TypeError(f"{type(self).__name__} is multi-round; the pipeline calls first_round")
-
-    def decompress(self, payload, meta):
-        raise TypeError(f"{type(self).__name__} is multi-round; the pipeline calls finish")

@@ -8,12 +8,12 @@ References:
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Any, Sequence
 
 import tensorflow as tf
 
 from tf_gradsync.compression import _util
-from tf_gradsync.compression.base import Compressor, Context, StateSpec, register
+from tf_gradsync.compression.base import Compressor, Context, Layout, StateSpec, register
 
 
 @register("dgc")
@@ -31,8 +31,9 @@ class DGC(Compressor):
     fraction falls in stages, by a factor of at most 4 each, from `warmup_ratio` at
     step 0 to `ratio` at `warmup_steps` (e.g. 0.25, 0.0625, 0.0156, 0.004, 0.001),
     the stages evenly spread over the warm-up. Each stage is one fixed payload
-    layout (`variant`, chosen by the step, so equal everywhere); only the current
-    stage's payload is sent, and collectives keep one instance per stage.
+    mode (`mode`, chosen by the step, so equal everywhere) with payloads of fixed
+    shapes; only the current stage's payload is sent. k is taken per tensor of the
+    bucket (ratio x size, at least 1), as the paper selects per layer.
 
     Payload: `(values, indices)`, values in the input dtype and int32 indices, k
     entries (padded with zeros at index 0): k * (itemsize + 4) bytes. All-gathered;
@@ -71,7 +72,7 @@ class DGC(Compressor):
         self.warmup_steps, self.warmup_ratio = warmup_steps, warmup_ratio
         self.sample_ratio = sample_ratio
         self.ratios = self._stages()
-        self.num_variants = len(self.ratios)
+        self.num_modes = len(self.ratios)
 
     def _stages(self) -> tuple[float, ...]:
         """The kept fraction of each warm-up stage, ending with `ratio`."""
@@ -81,40 +82,54 @@ class DGC(Compressor):
         stages = math.ceil(math.log(drop) / math.log(4) - 1e-9)
         return (*(self.warmup_ratio * drop ** (-j / stages) for j in range(stages)), self.ratio)
 
-    def state_spec(self, numel: int, dtype: tf.DType) -> dict[str, StateSpec]:
+    def state_spec(self, layout: Layout) -> dict[str, StateSpec]:
         """Momentum `u` and accumulated velocity `v`, float32 (float64 for float64)."""
-        wd = _util.work_dtype(dtype)
-        return {"u": StateSpec((numel,), wd), "v": StateSpec((numel,), wd)}
+        wd = _util.work_dtype(layout.dtype)
+        return {"u": StateSpec((layout.numel,), wd), "v": StateSpec((layout.numel,), wd)}
 
-    def variant(self, ctx: Context) -> tf.Tensor | None:
+    def mode(self, ctx: Context) -> tf.Tensor | None:
         """The warm-up stage of this step (None without warm-up)."""
-        if self.num_variants == 1:
+        if self.num_modes == 1:
             return None
-        last = self.num_variants - 1
+        last = self.num_modes - 1
         stage = tf.cast(ctx.step, tf.int64) * last // self.warmup_steps
         return tf.cast(tf.minimum(stage, last), tf.int32)
 
+    def check_optimizer(self, optimizer) -> None:
+        """Refuses an optimizer that applies momentum on top of DGC's own."""
+        momentum = _optimizer_momentum(optimizer)
+        if self.momentum > 0 and momentum:
+            raise ValueError(
+                f"dgc applies momentum {self.momentum} itself (momentum correction), and the "
+                f"optimizer {type(optimizer).__name__} applies momentum={momentum} again: "
+                "the two compound and training diverges. Use the optimizer without momentum "
+                f"(e.g. SGD(momentum=0.0)) or dgc with momentum=0.0")
+
     def compress(self, x: tf.Tensor, ctx: Context):
         """Returns `((values, int32 indices), (n, dtype))`; updates `u` and `v`."""
-        n, wd = _util.numel(x), _util.work_dtype(x.dtype)
+        seg = _util.Segments.of(ctx.layout_of(x))
+        n, wd = seg.numel, _util.work_dtype(x.dtype)
         u, v = ctx.state["u"], ctx.state["v"]
         g = tf.cast(x, wd)
         if self.clip_norm is not None:
             g = tf.clip_by_norm(g, self.clip_norm / math.sqrt(ctx.num_replicas))
         u_new = self.momentum * u + g
         v_new = v + u_new
-        mag, seed = tf.abs(v_new), tf.convert_to_tensor(ctx.seed, tf.int64)
-        branches = [lambda r=r: _util.select(mag, _util.count(r, n), seed, self.sample_ratio)
-                    for r in self.ratios]
-        stage = self.variant(ctx)
-        idx, valid = branches[0]() if stage is None else tf.switch_case(stage, branches)
-        values = tf.cast(tf.where(valid, tf.gather(v_new, idx), 0), x.dtype)
+        seed = tf.convert_to_tensor(ctx.seed, tf.int64)
+        idx, valid = _util.top_per_segment(
+            tf.abs(v_new), seg, _util.counts(self.ratios[ctx.mode], seg),
+            lambda m, k: _util.select(m, k, seed, self.sample_ratio))
+        values = tf.gather(v_new, idx)
+        if valid is None:
+            valid = tf.ones_like(idx, tf.bool)
+        values = tf.cast(tf.where(valid, values, 0), x.dtype)
         sent = _util.scatter(values, idx, n, wd)     # padding adds 0 at index 0
         was_sent = _util.scatter(tf.cast(valid, wd), idx, n, wd) > 0
         finite = tf.reduce_all(tf.math.is_finite(v_new))
         # v keeps what the wire dtype rounded away; u is masked where sent.
         u.assign(tf.where(finite & ~was_sent, u_new, 0))
         v.assign(tf.where(finite, v_new - sent, 0))
+        ctx.record_error(v_new, sent)
         bad = tf.where(finite, tf.constant(0, x.dtype), tf.constant(math.nan, x.dtype))
         return (values + bad, idx), (n, x.dtype)
 
@@ -122,3 +137,13 @@ class DGC(Compressor):
         """Scatters the values into zeros of the bucket's length and dtype."""
         n, dtype = meta
         return _util.scatter(payload[0], payload[1], n, dtype)
+
+
+def _optimizer_momentum(optimizer: Any) -> float:
+    """The heavy-ball momentum an optimizer applies (0 when none, or unknown)."""
+    try:
+        config = optimizer.get_config()
+    except Exception:  # pylint: disable=broad-except
+        return 0.0
+    momentum = config.get("momentum", 0.0)
+    return float(momentum) if isinstance(momentum, (int, float)) else 0.0

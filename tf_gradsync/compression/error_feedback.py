@@ -9,12 +9,12 @@ References:
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
 
 import tensorflow as tf
 
 from tf_gradsync.compression import _util
-from tf_gradsync.compression.base import Compressor, Context, RoundCompressor, StateSpec, get
+from tf_gradsync.compression.base import (GATHER, SUM, Compressor, Context, Layout, Message,
+                                          Rounds, StateSpec, get)
 
 _INNER = "inner_"
 
@@ -25,17 +25,18 @@ class ErrorFeedback(Compressor):
     Uses only the inner compressor's public interface. Its state variables are kept
     under names prefixed with `inner_`, next to the float32 (float64 for float64
     input) `residual`. `summable`, `prescale`, `floating_only`, the payload and its
-    size, its payload variants (`variant`) and what it `observe`s are the inner
-    compressor's; the result is biased (it is delayed, not lost). The inner
-    compressor is used in its `for_error_feedback` form: random-k, for one, then
-    drops its n / k scaling, which would make the residual grow without bound.
-    If the new residual is not finite (a NaN/Inf gradient), it is reset to zero so
-    one bad step does not poison later ones, while the payload still carries the
-    non-finite values to every replica, as a plain all-reduce would.
+    size, its modes and what it `observe`s are the inner compressor's; the result is
+    biased (it is delayed, not lost). The inner compressor is used in its
+    `for_error_feedback` form: random-k, for one, then drops its n / k scaling, which
+    would make the residual grow without bound. If the new residual is not finite (a
+    NaN/Inf gradient), it is reset to zero so one bad step does not poison later ones,
+    while the payload still carries the non-finite values to every replica, as a plain
+    all-reduce would. The compression error it reports is that of e, the input the
+    inner compressor actually saw: ||new residual|| / ||e||.
 
     Args:
-      inner: a `Compressor` or a registered name; not multi-round and not one with
-        its own memory (`has_own_memory`, e.g. dgc, powersgd).
+      inner: a `Compressor` or a registered name, with a single-round codec
+        (`compress`/`decompress`) and no memory of its own (`has_own_memory`).
 
     Raises:
       ValueError: for an inner compressor that cannot be wrapped.
@@ -52,47 +53,50 @@ class ErrorFeedback(Compressor):
 
     def __init__(self, inner: Compressor | str):
         inner = get(inner).for_error_feedback()
-        if isinstance(inner, RoundCompressor) or inner.has_own_memory:
-            raise ValueError(f"ErrorFeedback cannot wrap {inner!r}: multi-round compressors and "
-                             "compressors with their own memory (has_own_memory) keep their own "
-                             "residual; allowed: single-round compressors without memory")
+        if inner.has_own_memory or type(inner).compress is Compressor.compress:
+            raise ValueError(f"ErrorFeedback cannot wrap {inner!r}: compressors with their own "
+                             "memory (has_own_memory) or several rounds keep their own residual; "
+                             "allowed: single-round compressors without memory")
         self.inner = inner
         self.summable = inner.summable
         self.prescale = inner.prescale
         self.floating_only = inner.floating_only
-        self.num_variants = inner.num_variants
+        self.num_modes = inner.num_modes
 
-    def state_spec(self, numel: int, dtype: tf.DType) -> dict[str, StateSpec]:
+    def state_spec(self, layout: Layout) -> dict[str, StateSpec]:
         """The inner state (names prefixed `inner_`) plus `residual` [numel]."""
-        spec = {_INNER + k: s for k, s in self.inner.state_spec(numel, dtype).items()}
-        spec["residual"] = StateSpec((numel,), _util.work_dtype(dtype))
+        spec = {_INNER + k: s for k, s in self.inner.state_spec(layout).items()}
+        spec["residual"] = StateSpec((layout.numel,), _util.work_dtype(layout.dtype))
         return spec
 
     def check_input(self, x: tf.Tensor) -> None:
         self.inner.check_input(x)
 
+    def check_optimizer(self, optimizer) -> None:
+        self.inner.check_optimizer(optimizer)
+
     @staticmethod
     def _inner_ctx(ctx: Context) -> Context:
         state = {k[len(_INNER):]: v for k, v in ctx.state.items() if k.startswith(_INNER)}
-        return dataclasses.replace(ctx, state=state)
+        return dataclasses.replace(ctx, state=state, errors=None)
 
-    def compress(self, x: tf.Tensor, ctx: Context):
-        """Compresses x + residual with the inner compressor; stores the new residual."""
+    def mode(self, ctx: Context) -> tf.Tensor | None:
+        return self.inner.mode(self._inner_ctx(ctx))
+
+    def rounds(self, x: tf.Tensor, ctx: Context) -> Rounds:
+        """Compresses x + residual with the inner codec; stores the new residual."""
+        inner_ctx = self._inner_ctx(ctx)
         residual = ctx.state["residual"]
         e = tf.cast(x, residual.dtype) + residual
-        payload, meta = self.inner.compress(tf.cast(e, x.dtype), self._inner_ctx(ctx))
-        new = e - tf.cast(self.inner.decompress(payload, meta), residual.dtype)
+        payload, meta = self.inner.compress(tf.cast(e, x.dtype), inner_ctx)
+        local = tf.cast(self.inner.decompress(payload, meta), residual.dtype)
+        new = e - local
         residual.assign(tf.where(tf.reduce_all(tf.math.is_finite(new)), new, 0))
-        return payload, meta
+        ctx.record_error(e, local)
+        received = yield Message(tuple(payload), SUM if self.summable else GATHER)
+        reduced = self.inner.combine(received, meta)
+        self.inner.observe(reduced, inner_ctx)
+        return reduced
 
-    def decompress(self, payload: Sequence[tf.Tensor], meta) -> tf.Tensor:
-        return self.inner.decompress(payload, meta)
-
-    def payload_bytes(self, payload: Sequence[tf.Tensor]) -> tf.Tensor:
+    def payload_bytes(self, payload) -> int:
         return self.inner.payload_bytes(payload)
-
-    def variant(self, ctx: Context) -> tf.Tensor | None:
-        return self.inner.variant(self._inner_ctx(ctx))
-
-    def observe(self, reduced: tf.Tensor, ctx: Context) -> None:
-        self.inner.observe(reduced, self._inner_ctx(ctx))

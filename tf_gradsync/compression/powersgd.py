@@ -1,18 +1,22 @@
-"""PowerSGD: rank-r compression by one step of power iteration, with error feedback.
+"""PowerSGD: rank-r compression of each weight matrix by one step of power iteration.
 
 References: Vogels et al., "PowerSGD: Practical Low-Rank Gradient Compression for
-Distributed Optimization", NeurIPS 2019.
+Distributed Optimization", NeurIPS 2019. The per-tensor layout (all P's in one
+payload, all Q's in another, small tensors sent as they are in the first round) and
+the dense warm-up follow PyTorch's `powerSGD_hook`.
 """
 
 from __future__ import annotations
 
-import math
+import dataclasses
 from typing import Sequence
 
+import numpy as np
 import tensorflow as tf
 
 from tf_gradsync.compression import _util
-from tf_gradsync.compression.base import Context, RoundCompressor, StateSpec, register
+from tf_gradsync.compression.base import (SUM, Compressor, Context, Layout, Message, Rounds,
+                                          StateSpec, register)
 
 _Q_SEED = (0x5067, 0x5347)   # fixed: the initial Q is the same on every replica
 
@@ -21,31 +25,59 @@ def _initial_q(shape, dtype, seed=_Q_SEED) -> tf.Tensor:
     return tf.random.stateless_normal(shape, tf.cast(seed, tf.int64), dtype=dtype)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Matrix:
+    """One tensor compressed as a [rows, cols] matrix of rank r."""
+    offset: int     # in the bucket
+    rows: int
+    cols: int
+    rank: int
+    p_offset: int   # in the P payload
+    q_offset: int   # in the Q payload (and the `q` state)
+
+    @property
+    def size(self) -> int:
+        return self.rows * self.cols
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """How a bucket's tensors travel: low-rank matrices, and tensors sent as they are."""
+    matrices: tuple[_Matrix, ...]
+    dense: tuple[tuple[int, int], ...]     # (offset, size) in the bucket
+    p_size: int
+    q_size: int
+
+
 @register("powersgd")
-class PowerSGD(RoundCompressor):
-    """Sends P = M Q, then Q_i = M^T orth(sum P); M is the bucket as a [rows, cols] matrix.
+class PowerSGD(Compressor):
+    """Sends P = M Q, then Q_i = M^T orth(sum P), per weight matrix M of the bucket.
 
-    M is this replica's bucket (divided by the replica count: `prescale`) plus its
-    residual e, zero-padded to cols = ceil(sqrt(n)), rows = ceil(n / cols). Round 1
-    sends P = M Q [rows, r]; round 2 sends Q_i = M^T P_hat [cols, r], P_hat =
-    orth(sum P) by QR. The result P_hat (sum Q_i)^T is the sum of the replicas' local
-    approximations P_hat Q_i^T, i.e. of the mean gradient. The residual is the local
-    error e = M - P_hat Q_i^T (the paper's Algorithm 2), not M - result / N, which
-    would pile up the differences between replicas' gradients without bound. With
-    `warm_start` the summed Q is reused (redrawn if all zero or non-finite).
+    Each tensor of rank >= 2 is a matrix [prod(shape[:-1]), shape[-1]] (a Dense kernel
+    [in, out], a convolution kernel [kh, kw, in, out] as [kh * kw * in, out]) with rank
+    r = min(rank, rows, cols). M is this replica's tensor (divided by the replica count:
+    `prescale`) plus its residual e. Round 1 sends the P = M Q [rows, r] of every
+    matrix in one payload, together with the tensors not worth compressing (vectors,
+    and matrices where rows * cols < min_compression_rate * (rows + cols) * r), summed
+    exactly; round 2 sends every Q_i = M^T P_hat [cols, r], P_hat = orth(sum P) by QR,
+    in one payload. The result P_hat (sum Q_i)^T is the sum of the replicas' local
+    approximations P_hat Q_i^T. The residual is the local error e = M - P_hat Q_i^T
+    (the paper's Algorithm 2). With `warm_start` the summed Q is reused (redrawn if
+    all zero or non-finite).
 
-    Payload: two summed rounds in float32 (float64 for float64 input), (rows + cols)
-    * r * 4 bytes. A bucket with n < min_compression_rate * (rows + cols) * r is sent
-    as it is in one round and keeps no state. `start_iter`: payload shapes cannot
-    depend on the step (a tensor), so the bucket is never sent dense; before step
-    `start_iter` the rank-r result is used *without* error feedback (residual held
-    at zero; Q still warms up). Non-finite input gives NaN results, a zero residual
+    Before step `start_iter` the whole bucket is all-reduced uncompressed (one round,
+    no residual; PyTorch's `start_powerSGD_iter`): the first steps, where gradients
+    change fastest, are exact, and error feedback starts from a trained-in state.
+
+    Payload: round 1 sum(rows * r) + the dense tensors' elements, round 2
+    sum(cols * r), in float32 (float64 for float64 input; 16-bit input keeps its dtype
+    for the dense part). Summed. Non-finite input gives NaN results, a zero residual
     and a redrawn Q.
 
     Args:
-      rank: r, an integer >= 1 (capped at min(rows, cols)).
-      start_iter: first step with error feedback, an integer >= 0.
-      min_compression_rate: least dense/compressed size ratio to compress, >= 1.
+      rank: r, an integer >= 1 (capped per matrix at min(rows, cols)).
+      start_iter: steps of uncompressed warm-up, an integer >= 0.
+      min_compression_rate: least dense/compressed size ratio to compress a matrix, >= 1.
       warm_start: reuse the previous step's Q.
 
     Raises:
@@ -59,7 +91,7 @@ class PowerSGD(RoundCompressor):
     prescale = True
     has_own_memory = True
 
-    def __init__(self, rank: int = 4, start_iter: int = 0, min_compression_rate: float = 2.0,
+    def __init__(self, rank: int = 4, start_iter: int = 100, min_compression_rate: float = 2.0,
                  warm_start: bool = True):
         _util.check_number("rank", rank, 1, integer=True)
         _util.check_number("start_iter", start_iter, 0, integer=True)
@@ -68,58 +100,122 @@ class PowerSGD(RoundCompressor):
             raise ValueError(f"warm_start must be a bool (True or False), got {warm_start!r}")
         self.rank, self.start_iter = rank, start_iter
         self.min_compression_rate, self.warm_start = min_compression_rate, warm_start
+        # Mode 0: dense warm-up, mode 1: low rank (only mode 1 without a warm-up).
+        self.num_modes = 2 if start_iter else 1
+        self._plans: dict[Layout, _Plan] = {}
 
-    def matrix_shape(self, n: int) -> tuple[int, int, int] | None:
-        """(rows, cols, rank) for an n-element bucket, or None to send it dense."""
-        cols = max(1, math.ceil(math.sqrt(n)))
-        rows = max(1, math.ceil(n / cols))      # rows <= cols
-        r = min(self.rank, rows)
-        return (rows, cols, r) if n >= self.min_compression_rate * (rows + cols) * r else None
+    def plan(self, layout: Layout) -> _Plan:
+        """Which tensors of `layout` are compressed, and where they sit in the payloads."""
+        if layout not in self._plans:
+            self._plans[layout] = self._make_plan(layout)
+        return self._plans[layout]
 
-    def state_spec(self, numel: int, dtype: tf.DType) -> dict[str, StateSpec]:
-        """`residual` [numel] and, with warm start, `q` [cols, rank]; none if dense."""
-        shape, wd = self.matrix_shape(numel), _util.work_dtype(dtype)
-        if shape is None:
+    def _make_plan(self, layout: Layout) -> _Plan:
+        matrices, dense, p, q = [], [], 0, 0
+        for shape, size, offset in zip(layout.shapes, layout.sizes, layout.offsets):
+            if size == 0:
+                continue
+            if len(shape) >= 2:
+                cols = shape[-1]
+                rows = size // cols
+                r = min(self.rank, rows, cols)
+                if size >= self.min_compression_rate * (rows + cols) * r:
+                    matrices.append(_Matrix(offset, rows, cols, r, p, q))
+                    p, q = p + rows * r, q + cols * r
+                    continue
+            dense.append((offset, size))
+        return _Plan(tuple(matrices), tuple(dense), p, q)
+
+    def state_spec(self, layout: Layout) -> dict[str, StateSpec]:
+        """`residual` [numel] and, with warm start, `q` [sum(cols * r)]; none if nothing
+        is compressed."""
+        plan, wd = self.plan(layout), _util.work_dtype(layout.dtype)
+        if not plan.matrices:
             return {}
-        spec = {"residual": StateSpec((numel,), wd)}
+        spec = {"residual": StateSpec((layout.numel,), wd)}
         if self.warm_start:
-            spec["q"] = StateSpec((shape[1], shape[2]), wd, _initial_q)
+            spec["q"] = StateSpec((plan.q_size,), wd, _initial_q)
         return spec
 
-    def first_round(self, x: tf.Tensor, ctx: Context):
-        """Returns `((P,), carry)`, or `((x,), carry)` for a dense bucket."""
-        n = _util.numel(x)
-        shape = self.matrix_shape(n)
-        if shape is None:
-            return (x,), {"dense": True}
-        rows, cols, _ = shape
-        m_flat = tf.cast(x, _util.work_dtype(x.dtype)) + ctx.state["residual"]
-        m = tf.reshape(tf.pad(m_flat, [[0, rows * cols - n]]), [rows, cols])
-        q = ctx.state["q"] if self.warm_start else _initial_q(shape[1:], m.dtype, ctx.seed)
-        carry = {"dense": False, "n": n, "dtype": x.dtype, "shape": shape, "m": m, "m_flat": m_flat}
-        return (tf.matmul(m, q),), carry
+    def mode(self, ctx: Context) -> tf.Tensor | None:
+        """1 (low rank) from step `start_iter` on, 0 (dense) before; None without warm-up."""
+        if self.num_modes == 1:
+            return None
+        return tf.cast(tf.cast(ctx.step, tf.int64) >= self.start_iter, tf.int32)
 
-    def next_round(self, reduced: Sequence[tf.Tensor], carry, ctx: Context):
-        """Round 2: orthonormalise the summed P and send M^T P_hat; then None."""
-        if carry["dense"] or "p_hat" in carry:
-            return None, carry
-        p_hat = tf.linalg.qr(reduced[0]).q
-        q_local = tf.matmul(carry["m"], p_hat, transpose_a=True)
-        return (q_local,), {**carry, "p_hat": p_hat, "q_local": q_local}
+    def rounds(self, x: tf.Tensor, ctx: Context) -> Rounds:
+        layout = ctx.layout_of(x)
+        plan = self.plan(layout)
+        if not plan.matrices or (self.num_modes == 2 and ctx.mode == 0):
+            if ctx.errors is not None:
+                ctx.record_error(x, x)
+            (total,) = yield Message((x,), SUM)
+            return total
+        return (yield from self._low_rank(x, ctx, layout, plan))
 
-    def finish(self, reduced: Sequence[tf.Tensor], carry, ctx: Context) -> tf.Tensor:
-        """The reconstruction P_hat (sum Q)^T; updates the residual and Q."""
-        if carry["dense"]:
-            return reduced[0]
-        n, p_hat, q_sum = carry["n"], carry["p_hat"], reduced[0]
-        recon = tf.reshape(tf.matmul(p_hat, q_sum, transpose_b=True), [-1])[:n]
-        local = tf.reshape(tf.matmul(p_hat, carry["q_local"], transpose_b=True), [-1])[:n]
-        error = carry["m_flat"] - local
+    def _low_rank(self, x: tf.Tensor, ctx: Context, layout: Layout, plan: _Plan) -> Rounds:
+        wd = _util.work_dtype(x.dtype)
+        residual = ctx.state["residual"]
+        m_flat = tf.cast(x, wd) + residual
+        ms = [tf.reshape(m_flat[a.offset:a.offset + a.size], [a.rows, a.cols])
+              for a in plan.matrices]
+        if self.warm_start:
+            q_all = ctx.state["q"]
+        else:
+            q_all = _initial_q([plan.q_size], wd, tf.convert_to_tensor(ctx.seed, tf.int64))
+        ps = [tf.reshape(tf.matmul(m, tf.reshape(q_all[a.q_offset:a.q_offset + a.cols * a.rank],
+                                                 [a.cols, a.rank])), [-1])
+              for a, m in zip(plan.matrices, ms)]
+        payload = (_concat(ps),)
+        if plan.dense:
+            payload += (_concat([x[o:o + s] for o, s in plan.dense]),)
+        received = yield Message(payload, SUM)
+        p_sum = received[0]
+        p_hats = [tf.linalg.qr(tf.reshape(p_sum[a.p_offset:a.p_offset + a.rows * a.rank],
+                                          [a.rows, a.rank])).q for a in plan.matrices]
+        q_locals = [tf.matmul(m, p, transpose_a=True) for m, p in zip(ms, p_hats)]
+        (q_sum,) = yield Message((_concat([tf.reshape(q, [-1]) for q in q_locals]),), SUM)
+        qs = [tf.reshape(q_sum[a.q_offset:a.q_offset + a.cols * a.rank], [a.cols, a.rank])
+              for a in plan.matrices]
+        recon = [tf.matmul(p, q, transpose_b=True) for p, q in zip(p_hats, qs)]
+        local = [tf.matmul(p, q, transpose_b=True) for p, q in zip(p_hats, q_locals)]
+        dense = (tf.split(received[1], [s for _, s in plan.dense]) if len(plan.dense) > 1
+                 else list(received[1:]))
+        exact = [tf.cast(d, wd) for d in dense]
+        pieces = [(a.offset, r) for a, r in zip(plan.matrices, recon)]
+        pieces += [(o, d) for (o, _), d in zip(plan.dense, exact)]
+        mine = [(a.offset, r) for a, r in zip(plan.matrices, local)]
+        mine += [(o, tf.cast(x[o:o + s], wd)) for o, s in plan.dense]
+        approx = _assemble(mine)
+        error = m_flat - approx
         keep = tf.reduce_all(tf.math.is_finite(error))
-        keep &= tf.cast(ctx.step, tf.int64) >= self.start_iter
-        ctx.state["residual"].assign(tf.where(keep, error, 0))
+        residual.assign(tf.where(keep, error, 0))
+        ctx.record_error(m_flat, approx)
         if self.warm_start:
             ok = tf.reduce_all(tf.math.is_finite(q_sum)) & tf.reduce_any(q_sum != 0)
-            fresh = _initial_q(q_sum.shape, q_sum.dtype, ctx.seed)
+            fresh = _initial_q(q_sum.shape, q_sum.dtype, tf.convert_to_tensor(ctx.seed, tf.int64))
             ctx.state["q"].assign(tf.where(ok, q_sum, fresh))
-        return tf.cast(recon, carry["dtype"])
+        return tf.cast(_assemble(pieces), x.dtype)
+
+    def compression_stats(self, layout: Layout) -> dict[str, int]:
+        """Elements sent per round for a bucket laid out as `layout` (low-rank mode).
+
+        Returns:
+          `matrices` (compressed tensors), `dense_tensors` (sent as they are),
+          `p_elements`, `q_elements`, `dense_elements` and `uncompressed_elements`.
+        """
+        plan = self.plan(layout)
+        return {"matrices": len(plan.matrices), "dense_tensors": len(plan.dense),
+                "p_elements": plan.p_size, "q_elements": plan.q_size,
+                "dense_elements": sum(s for _, s in plan.dense),
+                "uncompressed_elements": layout.numel}
+
+
+def _concat(parts: Sequence[tf.Tensor]) -> tf.Tensor:
+    return parts[0] if len(parts) == 1 else tf.concat(parts, 0)
+
+
+def _assemble(pieces) -> tf.Tensor:
+    """The flat bucket from `(offset, tensor)` pieces that tile it."""
+    order = np.argsort([o for o, _ in pieces], kind="stable")
+    return _concat([tf.reshape(pieces[i][1], [-1]) for i in order])

@@ -1,4 +1,4 @@
-"""QSGD: stochastic quantisation of the bucket to a few levels of its L2 norm.
+"""QSGD: stochastic quantisation to a few levels of the L2 norm of each chunk of a tensor.
 
 References:
   Alistarh et al., "QSGD: Communication-Efficient SGD via Gradient Quantization and
@@ -19,23 +19,27 @@ from tf_gradsync.compression.base import Compressor, Context, register
 class QSGD(Compressor):
     """Quantises each entry to `sign(x) * norm * l / levels`, l in {0, ..., levels}.
 
-    With a = |x| / ||x||_2 * levels, l is floor(a) or floor(a) + 1, rounded up with
-    probability a - floor(a), so the reconstruction is unbiased. The noise is a
-    stateless uniform seeded by `ctx.seed`: the same on every replica (the context
-    offers no per-replica seed). Each replica's estimate is still unbiased, but the
-    rounding errors of replicas are correlated, so averaging over replicas reduces
-    the variance less than independent noise would. The paper's Elias coding of the
-    levels is not done: the levels travel as fixed-width int8.
+    Each tensor of the bucket is cut into chunks of `chunk` entries (the paper's
+    bucket size d, 512 in its experiments; the last chunk of a tensor is shorter), and
+    `norm` is the chunk's L2 norm: the variance added is at most
+    min(d / levels^2, sqrt(d) / levels) times ||x||^2 per chunk, independent of the
+    size of the bucket. With a = |x| / norm * levels, l is floor(a) or floor(a) + 1,
+    rounded up with probability a - floor(a), so the reconstruction is unbiased. The
+    noise is a stateless uniform seeded per replica (`Context.replica_seed`), so the
+    rounding errors of replicas are independent and average out. The paper's Elias
+    coding of the levels is not done: the levels travel as fixed-width int8.
 
-    Payload: `(int8 sign * l, norm)` with the norm a float32 scalar (float64 for
-    float64 input): n + 4 bytes for float32. All-gathered. A zero bucket gives zeros;
-    a non-finite one gives a NaN norm, so its reconstruction is all NaN.
+    Payload: `(int8 sign * l, norms)` with one float32 norm per chunk (float64 for
+    float64 input): n + 4 ceil(n / chunk) bytes for float32 (about n (1 + 4 / chunk)).
+    All-gathered. A zero chunk gives zeros; a non-finite bucket NaN norms (all-NaN
+    output).
 
     Args:
       levels: number of quantisation levels s, an integer in [1, 127].
+      chunk: entries per norm within a tensor, an integer >= 1.
 
     Raises:
-      ValueError: if `levels` is not an integer in [1, 127].
+      ValueError: for an argument outside its range.
 
     Example:
       >>> c = tf_gradsync.compression.get("qsgd", levels=16)
@@ -44,23 +48,25 @@ class QSGD(Compressor):
     summable = False
     unbiased = True
 
-    def __init__(self, levels: int = 64):
+    def __init__(self, levels: int = 64, chunk: int = 512):
         _util.check_number("levels", levels, 1, 127, integer=True)
-        self.levels = levels
+        _util.check_number("chunk", chunk, 1, integer=True)
+        self.levels, self.chunk = levels, chunk
 
     def compress(self, x: tf.Tensor, ctx: Context):
-        """Returns `((int8 levels, norm), dtype)`."""
+        """Returns `((int8 levels, norms), (segments, dtype))`."""
+        seg = _util.Segments.chunks(ctx.layout_of(x), self.chunk)
         wd = _util.work_dtype(x.dtype)
         v = tf.cast(x, wd)
-        norm = tf.norm(v)
-        a = tf.math.divide_no_nan(tf.abs(v) * self.levels, norm)
-        u = tf.random.stateless_uniform(tf.shape(v), tf.convert_to_tensor(ctx.seed, tf.int64),
-                                        dtype=wd)
+        norm = tf.sqrt(seg.sum(tf.square(v)))
+        a = tf.math.divide_no_nan(tf.abs(v) * self.levels, seg.expand(norm))
+        u = tf.random.stateless_uniform(tf.shape(v), ctx.replica_seed(), dtype=wd)
         level = tf.minimum(tf.floor(a + u), self.levels)
         q = tf.cast(tf.sign(v) * level, tf.int8)
-        return (q, norm + _util.poison(x, wd)), x.dtype
+        return (q, norm + _util.poison(x, wd)), (seg, x.dtype)
 
     def decompress(self, payload: Sequence[tf.Tensor], meta) -> tf.Tensor:
         """norm / levels * q, in the input dtype."""
         q, norm = payload
-        return tf.cast(tf.cast(q, norm.dtype) * (norm / self.levels), meta)
+        seg, dtype = meta
+        return tf.cast(tf.cast(q, norm.dtype) * seg.expand(norm / self.levels), dtype)

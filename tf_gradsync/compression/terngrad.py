@@ -1,4 +1,4 @@
-"""TernGrad: stochastic ternary gradients, 2 bits per entry.
+"""TernGrad: stochastic ternary gradients, 2 bits per entry, one scale per tensor.
 
 References:
   Wen et al., "TernGrad: Ternary Gradients to Reduce Communication in Distributed
@@ -17,40 +17,64 @@ from tf_gradsync.compression.base import Compressor, Context, register
 
 @register("terngrad")
 class TernGrad(Compressor):
-    """Sends scale * t with t in {-1, 0, 1}, scale = max|x|, P(t = sign x) = |x| / scale.
+    """Sends scale * t with t in {-1, 0, 1} per tensor, P(t = sign x) = |x| / scale.
 
-    Unbiased: E[scale * t] = x. The Bernoulli draws use a stateless uniform seeded by
-    `ctx.seed`, so they are the same on every replica (each estimate is still
-    unbiased). The paper's optional gradient clipping (2.5 standard deviations) is
-    not applied, since it would bias the estimate.
+    As in the paper, each tensor (layer) is first clipped to `clip` standard
+    deviations of its entries (`clip=None`: no clipping), and scale is the largest
+    clipped magnitude of the tensor; then E[scale * t] equals the clipped x. Clipping
+    changes only the few outliers beyond `clip` sigma and shrinks the scale, and so the
+    variance, by a large factor (the paper's Section 3.2). The Bernoulli draws are
+    seeded per replica (`Context.replica_seed`), so replicas' errors are independent.
+    Error feedback is off by default: the ternary noise is not a contraction, so a
+    residual would only accumulate it.
 
-    Payload: `(codes, scale)`: 2-bit codes (0: zero, 1: +1, 2: -1) packed four per
-    uint8, ceil(n / 4) bytes, and a float32 scale (float64 for float64 input):
-    n / 4 + 4 bytes for float32. All-gathered. A zero bucket gives zeros; a
-    non-finite one a NaN scale (all-NaN output).
+    Payload: `(codes, scales)`: 2-bit codes (0: zero, 1: +1, 2: -1) packed four per
+    uint8, ceil(n / 4) bytes, and one float32 scale per tensor (float64 for float64
+    input). All-gathered. A zero tensor gives zeros; a non-finite bucket NaN scales
+    (all-NaN output).
+
+    Args:
+      clip: clipping bound in standard deviations per tensor (> 0), or None.
+
+    Raises:
+      ValueError: for a `clip` that is not a positive number or None.
 
     Example:
       >>> c = tf_gradsync.compression.get("terngrad")
     """
 
     summable = False
-    unbiased = True
+    default_error_feedback = False
+
+    def __init__(self, clip: float | None = 2.5):
+        if clip is not None:
+            _util.check_number("clip", clip, 0, low_open=True)
+        self.clip = clip
+        self.unbiased = clip is None
 
     def compress(self, x: tf.Tensor, ctx: Context):
-        """Returns `((packed codes, scale), (n, dtype))`."""
+        """Returns `((packed codes, scales), (segments, dtype))`."""
+        seg = _util.Segments.of(ctx.layout_of(x))
+        ids = None if seg.count == 1 else seg.ids()
         wd = _util.work_dtype(x.dtype)
         v = tf.cast(x, wd)
-        scale = tf.reduce_max(tf.abs(v))
-        u = tf.random.stateless_uniform(tf.shape(v), tf.convert_to_tensor(ctx.seed, tf.int64),
-                                        dtype=wd)
-        keep = u < tf.math.divide_no_nan(tf.abs(v), scale)
+        if self.clip is not None:
+            sizes = tf.constant(seg.sizes, wd)
+            mean = seg.sum(v, ids) / sizes
+            var = tf.maximum(seg.sum(tf.square(v), ids) / sizes - tf.square(mean), 0)
+            bound = seg.expand(self.clip * tf.sqrt(var))
+            # A constant tensor has sigma 0: leave it unclipped rather than zeroed.
+            v = tf.where(bound > 0, tf.clip_by_value(v, -bound, bound), v)
+        scale = seg.max(tf.abs(v), ids)
+        u = tf.random.stateless_uniform(tf.shape(v), ctx.replica_seed(), dtype=wd)
+        keep = u < tf.math.divide_no_nan(tf.abs(v), seg.expand(scale))
         codes = tf.where(keep, tf.where(v > 0, 1, 2), 0)
-        return (_util.pack(codes, 2), scale + _util.poison(x, wd)), (_util.numel(x), x.dtype)
+        return (_util.pack(codes, 2), scale + _util.poison(x, wd)), (seg, x.dtype)
 
     def decompress(self, payload: Sequence[tf.Tensor], meta) -> tf.Tensor:
         """scale * {0, +1, -1}[code], in the input dtype."""
         packed, scale = payload
-        n, dtype = meta
-        codes = _util.unpack(packed, 2, n)
+        seg, dtype = meta
+        codes = _util.unpack(packed, 2, seg.numel)
         t = tf.cast(codes == 1, scale.dtype) - tf.cast(codes == 2, scale.dtype)
-        return tf.cast(t * scale, dtype)
+        return tf.cast(t * seg.expand(scale), dtype)

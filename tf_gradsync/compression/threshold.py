@@ -1,4 +1,4 @@
-"""Sampled-threshold sparsification: top-k without sorting the whole bucket.
+"""Sampled-threshold sparsification: top-k per tensor without sorting long tensors.
 
 References:
   Lin et al., "Deep Gradient Compression: Reducing the Communication Bandwidth for
@@ -17,24 +17,26 @@ from tf_gradsync.compression.base import Compressor, Context, register
 
 @register("threshold")
 class Threshold(Compressor):
-    """Sends k = max(1, ceil(ratio * n)) large entries found through a sampled threshold.
+    """Sends k = max(1, ceil(ratio * size)) large entries of each tensor, found through a
+    sampled threshold in long tensors.
 
-    A random sample of `max(1000, sample_ratio * n)` magnitudes (stateless, seeded by
-    `ctx.seed`) gives the threshold that would keep about 2k entries of the bucket;
-    entries at or above it are candidates (a superset of the true top k, unless the
-    sample was unlucky). With more than k candidates the k
-    largest are kept; with fewer, the payload is padded with zero values at index 0
-    (harmless when summed), so it always has exactly k entries and replicas can be
-    all-gathered with equal shapes. Zeros are never sent. Buckets no larger than the
-    sample use an exact top-k. The result approximates `topk`, with the cost of a
-    top-k over the sample and the candidates instead of over the bucket.
+    In a tensor longer than `_util.LARGE` entries, a random sample of
+    `max(1000, sample_ratio * size)` magnitudes (stateless, seeded by `ctx.seed`)
+    gives the threshold that would keep about 2k entries; entries at or above it are
+    candidates (a superset of the true top k, unless the sample was unlucky). With
+    more than k candidates the k largest are kept; with fewer, the payload is padded
+    with zero values at index 0 (harmless when summed), so it always has exactly k
+    entries and replicas can be all-gathered with equal shapes. Zeros are never sent.
+    Shorter tensors get an exact top-k. The result approximates `topk`, with the cost
+    of a top-k over the sample and the candidates instead of over the tensor.
 
-    Payload: `(values, indices)`, values in the input dtype, int32 indices:
-    k * (itemsize + 4) bytes. Biased. A non-finite input turns every sent value NaN.
+    Payload: `(values, indices)`, values in the input dtype, int32 indices into the
+    bucket: K * (itemsize + 4) bytes, K the sum of the tensors' k. Biased (error
+    feedback by default). A non-finite input turns every sent value NaN.
 
     Args:
       ratio: fraction of entries kept, in (0, 1].
-      sample_ratio: fraction of the bucket sampled for the threshold, in (0, 1].
+      sample_ratio: fraction of a long tensor sampled for its threshold, in (0, 1].
 
     Raises:
       ValueError: if `ratio` or `sample_ratio` is outside (0, 1].
@@ -54,12 +56,16 @@ class Threshold(Compressor):
 
     def compress(self, x: tf.Tensor, ctx: Context):
         """Returns `((values, int32 indices), (n, dtype))`."""
-        n = _util.numel(x)
+        seg = _util.Segments.of(ctx.layout_of(x))
         mag = tf.abs(tf.cast(x, _util.work_dtype(x.dtype)))
-        idx, valid = _util.select(mag, _util.count(self.ratio, n),
-                                  tf.convert_to_tensor(ctx.seed, tf.int64), self.sample_ratio)
-        values = tf.where(valid, tf.gather(x, idx), tf.zeros([], x.dtype))
-        return (values + tf.cast(_util.poison(x), x.dtype), idx), (n, x.dtype)
+        seed = tf.convert_to_tensor(ctx.seed, tf.int64)
+        idx, valid = _util.top_per_segment(
+            mag, seg, _util.counts(self.ratio, seg),
+            lambda m, k: _util.select(m, k, seed, self.sample_ratio))
+        values = tf.gather(x, idx)
+        if valid is not None:
+            values = tf.where(valid, values, tf.zeros([], x.dtype))
+        return (values + tf.cast(_util.poison(x), x.dtype), idx), (seg.numel, x.dtype)
 
     def decompress(self, payload: Sequence[tf.Tensor], meta) -> tf.Tensor:
         """Scatters the values into zeros (padding adds 0 at index 0)."""

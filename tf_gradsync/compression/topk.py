@@ -1,4 +1,4 @@
-"""Top-k sparsification: send the largest-magnitude fraction of the bucket.
+"""Top-k sparsification: send the largest-magnitude fraction of each tensor.
 
 References:
   Aji & Heafield, "Sparse Communication for Distributed Gradient Descent", EMNLP 2017;
@@ -18,14 +18,20 @@ from tf_gradsync.compression.base import Compressor, Context, register
 
 @register("topk")
 class TopK(Compressor):
-    """Keeps the k = max(1, ceil(ratio * n)) entries of largest magnitude.
+    """Keeps the k = max(1, ceil(ratio * size)) entries of largest magnitude of each tensor.
 
-    Payload: `(values, indices)` with values in the input dtype and int32 indices,
-    k * (itemsize + 4) bytes. Payloads are all-gathered (different replicas pick
-    different coordinates). Biased; wrap in `ErrorFeedback` to recover convergence.
-    A non-finite input turns every sent value into NaN. The selection is exact (the
-    entries `tf.math.top_k` picks); large buckets rank only the entries above a
-    threshold estimated from a sample, and rank everything when too few pass it.
+    k is taken per tensor of the bucket, as DGC selects per layer, so a layer with
+    small gradients still sends its largest entries instead of starving next to a
+    layer with large ones. The selection is exact (the entries `tf.math.top_k` picks
+    in each tensor); short tensors are ranked together, long ones rank only the
+    entries above a threshold estimated from a sample, and everything when too few
+    pass it.
+
+    Payload: `(values, indices)` with values in the input dtype and int32 indices into
+    the bucket, K * (itemsize + 4) bytes for K = the sum of the tensors' k. Payloads
+    are all-gathered (different replicas pick different coordinates). Biased; wrap in
+    `ErrorFeedback` to recover convergence (the default). A non-finite input turns
+    every sent value into NaN.
 
     Args:
       ratio: fraction of entries kept, in (0, 1].
@@ -46,14 +52,14 @@ class TopK(Compressor):
 
     def compress(self, x: tf.Tensor, ctx: Context):
         """Returns `((values, int32 indices), (n, dtype))`."""
-        del ctx
-        n = _util.numel(x)
-        k = _util.count(self.ratio, n)
+        seg = _util.Segments.of(ctx.layout_of(x))
         wd = _util.work_dtype(x.dtype)
         finite = tf.reduce_all(tf.math.is_finite(x))
-        idx = _util.top_k_indices(tf.abs(tf.cast(x, wd)), k, full=~finite)
+        idx, _ = _util.top_per_segment(
+            tf.abs(tf.cast(x, wd)), seg, _util.counts(self.ratio, seg),
+            lambda m, k: (_util.top_k_indices(m, k, full=~finite), None))
         bad = tf.where(finite, tf.constant(0, x.dtype), tf.constant(math.nan, x.dtype))
-        return (tf.gather(x, idx) + bad, idx), (n, x.dtype)
+        return (tf.gather(x, idx) + bad, idx), (seg.numel, x.dtype)
 
     def decompress(self, payload: Sequence[tf.Tensor], meta) -> tf.Tensor:
         """Scatters the values into zeros of the bucket's length and dtype."""
