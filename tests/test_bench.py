@@ -101,14 +101,18 @@ def test_time_to_target():
     from tf_gradsync.bench import accuracy
     assert accuracy.time_to_target([0.5, 0.95, 0.97], [2.0, 3.0, 4.0], 0.95) == (2, 3.0)
     assert accuracy.time_to_target([0.5, 0.9], [2.0, 3.0], 0.95) == ("not reached",) * 2
-    assert accuracy.compressor_from_spec("topk:ratio=0.25").ratio == 0.25
+    assert accuracy.ops_from_spec("topk:ratio=0.25").compressor.inner.ratio == 0.25
+    plain = accuracy.ops_from_spec("sign:error_feedback=false:block=8").compressor
+    assert plain.name == "sign" and plain.block == 8
+    assert not accuracy.ops_from_spec("powersgd:error_feedback=false").compressor.error_feedback
     with pytest.raises(ValueError, match="rank16"):
-        accuracy.compressor_from_spec("powersgd:rank16")
+        accuracy.ops_from_spec("powersgd:rank16")
 
 
 def test_accuracy_tiny_run(devices):
     from tf_gradsync.bench import accuracy
-    rows = accuracy.compare(["stock", "fp16"], devices, epochs=2, target=0.0)
+    rows = accuracy.compare(["stock", "fp16"], devices, epochs=2, target=0.0, models=["mlp"],
+                            recipes=["adam"])
     for r in rows:
         assert set(accuracy.COLUMNS) <= set(r)
         assert 0.0 <= r["accuracy"] <= 1.0 and len(r["accuracies"]) == 2
@@ -122,3 +126,7 @@ def test_accuracy_tiny_run(devices):
     # 17,226 float32 parameters as float16 over 4 replicas: 2(N-1)/N x 2 bytes each.
     assert stock["bytes_per_step"] is None
     assert fp16["bytes_per_step"] == 2 * 3 * 17_226 * 2 // 4 and fp16["ratio"] == 2.0
+    assert stock["comm_error"] is None and 0 < fp16["comm_error"] < 1e-3   # float16 rounding
+    assert (fp16["model"], fp16["optimizer"], fp16["note"]) == ("mlp", "adam", "")
+    with pytest.raises(ValueError, match="'vgg'.*valid models: mlp, cnn, resnet"):
+        accuracy.compare(["none"], devices, 1, 0.0, models=["vgg"])

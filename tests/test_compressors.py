@@ -171,27 +171,41 @@ def test_int8_reference():
         np.testing.assert_allclose(a, b, atol=np.abs(b).max() / 254 * 1.001)
 
 
-def test_sign_reference():
+def _blocks(v, block):
+    """The blocks of `block` entries of each non-empty LAYOUT tensor of `v`."""
+    return [t[i:i + block] for t in tensors(v) for i in range(0, len(t), block)]
+
+
+BF16_RTOL = 2.0 ** -8     # one bfloat16 rounding
+
+
+@pytest.mark.parametrize("block,scale", [(32, "l2"), (None, "l1"), (7, "l1")])
+def test_sign_reference(block, scale):
     x = rand(N, seed=4, scales=SCALES).numpy()
-    (packed, scale), _ = C.get("sign").compress(tf.constant(x, tf.float32), context(layout=LAYOUT))
+    c = C.get("sign", block=block, scale=scale)
+    (packed, scales), meta = c.compress(tf.constant(x, tf.float32), context(layout=LAYOUT))
     np.testing.assert_array_equal(packed.numpy(), _packbits(x >= 0))
-    want = np.array([np.abs(t).mean() for t in tensors(x)])
-    np.testing.assert_allclose(scale.numpy(), want, rtol=1e-5)
-    y = C.get("sign").decompress((packed, scale), _)
-    np.testing.assert_allclose(
-        y.numpy(), np.where(x >= 0, 1, -1) * np.repeat(want, [s for s in LAYOUT.sizes if s]),
-        rtol=1e-5)
+    pieces = tensors(x) if block is None else _blocks(x, block)
+    want = np.array([np.sqrt(np.mean(p ** 2)) if scale == "l2" else np.abs(p).mean()
+                     for p in pieces])
+    assert scales.dtype == tf.bfloat16
+    np.testing.assert_allclose(scales.numpy().astype(np.float64), want, rtol=BF16_RTOL)
+    expanded = np.repeat(scales.numpy().astype(np.float64), [len(p) for p in pieces])
+    np.testing.assert_allclose(c.decompress((packed, scales), meta).numpy(),
+                               np.where(x >= 0, 1, -1) * expanded, rtol=1e-6)
 
 
 def test_onebit_reference():
     x = rand(N, seed=5, scales=SCALES).numpy()
     y = roundtrip(C.get("onebit"), tf.constant(x, tf.float32), shapes=SHAPES).numpy()
-    want = np.concatenate([np.where(t >= 0, t[t >= 0].mean() if (t >= 0).any() else 0,
-                                    t[t < 0].mean() if (t < 0).any() else 0)
-                           for t in tensors(x)])
-    np.testing.assert_allclose(y, want, rtol=1e-5)
-    y = roundtrip(C.get("onebit"), tf.constant([1.0, 3.0]))   # empty negative class
-    np.testing.assert_allclose(y.numpy(), [2.0, 2.0])
+
+    def rms(v):
+        return np.sqrt(np.mean(v ** 2)) if len(v) else 0.0
+    want = np.concatenate([np.where(p >= 0, rms(p[p >= 0]), -rms(p[p < 0]))
+                           for p in _blocks(x, 32)])
+    np.testing.assert_allclose(y, want, rtol=BF16_RTOL)
+    y = roundtrip(C.get("onebit"), tf.constant([1.0, 7.0]))   # empty negative class
+    np.testing.assert_allclose(y.numpy(), [5.0, 5.0])
 
 
 def test_qsgd_reference():
@@ -407,7 +421,7 @@ def test_error_feedback_rejects_own_memory(inner):
 # ----------------------------------------------------------------- sizes and arguments
 EXPECTED_BYTES = {  # one flat tensor of 1000 float32 (dense: 4000 bytes)
     "none": 4000, "fp16": 2000, "bf16": 2000, "int8": 1004, "qsgd": 1008, "terngrad": 254,
-    "sign": 129, "onebit": 133, "topk": 80, "threshold": 80, "randomk": 40, "dgc": 8,
+    "sign": 189, "onebit": 253, "topk": 80, "threshold": 80, "randomk": 40, "dgc": 8,
     "adaptive": 800,    # starts critical: max_ratio = 10%
     "powersgd": 4000,   # a vector is sent as it is
 }
@@ -426,8 +440,9 @@ def test_payload_bytes_per_tensor_statistics():
     """Per-tensor statistics cost one scale (or norm, or k) per tensor, not per bucket."""
     t = len(LAYOUT.tensors)                       # 5 non-empty tensors
     sizes = [s for s in LAYOUT.sizes if s]
-    want = {"int8": N + 4 * t, "sign": math.ceil(N / 8) + 4 * t,
-            "onebit": math.ceil(N / 8) + 8 * t, "terngrad": math.ceil(N / 4) + 4 * t,
+    blocks = sum(math.ceil(s / 32) for s in sizes)
+    want = {"int8": N + 4 * t, "sign": math.ceil(N / 8) + 2 * blocks,
+            "onebit": math.ceil(N / 8) + 4 * blocks, "terngrad": math.ceil(N / 4) + 4 * t,
             "qsgd": N + 4 * sum(math.ceil(s / 512) for s in sizes),
             "topk": 8 * sum(max(1, math.ceil(0.01 * s)) for s in sizes),
             "randomk": 4 * sum(max(1, math.ceil(0.01 * s)) for s in sizes)}
@@ -447,6 +462,8 @@ def test_payload_bytes_per_tensor_statistics():
     ("terngrad", {"clip": 0}, "0"), ("terngrad", {"clip": "2"}, "'2'"),
     ("powersgd", {"rank": 0}, "0"), ("powersgd", {"start_iter": -2}, "-2"),
     ("powersgd", {"min_compression_rate": 0.5}, "0.5"), ("powersgd", {"warm_start": 1}, "1"),
+    ("powersgd", {"error_feedback": "no"}, "'no'"), ("sign", {"block": 0}, "0"),
+    ("onebit", {"block": 2.5}, "2.5"),
     ("randomk", {"scale": 1}, "1"),
     ("adaptive", {"min_ratio": 0}, "0"), ("adaptive", {"min_ratio": 1.5}, "1.5"),
     ("adaptive", {"min_ratio": 0.2, "max_ratio": 0.1}, "0.1"), ("adaptive", {"max_ratio": 2}, "2"),
@@ -509,6 +526,18 @@ def test_powersgd_error_feedback_conserves_mass():
         total = total + tf.add_n(xs).numpy() / 2
     np.testing.assert_allclose(sent + sum(s["residual"].numpy() for s in states), total,
                                rtol=1e-5, atol=1e-3)
+
+
+def test_powersgd_without_error_feedback_keeps_no_residual():
+    c = C.get("powersgd", rank=1, start_iter=0, error_feedback=False)
+    assert sorted(c.state_spec(LAYOUT)) == ["q"]
+    with_ef = C.get("powersgd", rank=1, start_iter=0)
+    xs = [rand(N, seed=i, scales=SCALES) for i in range(2)]
+    a = reduce(c, xs, shapes=SHAPES, mean=True)
+    b = reduce(with_ef, xs, shapes=SHAPES, mean=True)
+    # The first step is the same (the residual starts at zero); the error is measured.
+    np.testing.assert_allclose(a.results[0].numpy(), b.results[0].numpy(), rtol=1e-5, atol=1e-6)
+    assert a.error == pytest.approx(b.error, rel=1e-5) and a.error > 0
 
 
 @pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: d.name)

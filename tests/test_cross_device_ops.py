@@ -321,3 +321,55 @@ def test_eager_collective_after_a_graph_collective(name, devices):
         want = np.where(np.arange(8) == 7, want, 0)
     for got in strategy.experimental_local_results(reduced):
         np.testing.assert_allclose(got.numpy(), want, rtol=1e-3)
+
+
+# ------------------------------------------------------------ TensorFlow's contract
+@pytest.mark.parametrize("compression", ["none", "topk"])
+def test_all_reduce_of_unknown_static_shape_in_tf_function(devices, compression):
+    """A `None` batch dimension cannot be bucketed: the value is summed exactly."""
+    ops = gs.CompressedAllReduce(compression)
+    strategy = tf.distribute.MirroredStrategy(devices, cross_device_ops=ops)
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 3], tf.float32)])
+    def step(x):
+        def fn(x):
+            ctx = tf.distribute.get_replica_context()
+            r = tf.cast(ctx.replica_id_in_sync_group + 1, tf.float32)
+            return ctx.all_reduce(MEAN, x * r), ctx.all_reduce(SUM, tf.reduce_sum(x * r, 0))
+        return strategy.run(fn, args=(x,))
+    dynamic, static = step(tf.ones([5, 3]))
+    for v in strategy.experimental_local_results(dynamic):
+        np.testing.assert_allclose(v.numpy(), np.full([5, 3], 2.5))
+    for v in strategy.experimental_local_results(static):
+        # Known shape: bucketed and compressed (top-k keeps 1 of 3 entries per replica).
+        want = [50.0] * 3 if compression == "none" else [50.0, 0.0, 0.0]
+        np.testing.assert_allclose(v.numpy(), want)
+
+
+@pytest.mark.parametrize("dtype", [tf.int64, tf.int32, tf.int8])
+def test_integer_mean_divides_as_tensorflow_does(devices, dtype):
+    ops = gs.CompressedAllReduce("fp16")
+    strategy = tf.distribute.MirroredStrategy(devices[:2], cross_device_ops=ops)
+    v = strategy.experimental_distribute_values_from_function(
+        lambda ctx: tf.constant([ctx.replica_id_in_sync_group + 1, 7], dtype))
+    want = tf.distribute.ReductionToOneDevice().batch_reduce(MEAN, [(v, v)])[0]
+    for reduce in (lambda: ops.batch_reduce(MEAN, [(v, v)])[0], lambda: ops.reduce(MEAN, v, v)):
+        got = reduce()
+        for g, w in zip(got.values, want.values):
+            assert g.dtype == w.dtype          # float64 for int32/int64, float32 for int8
+            np.testing.assert_array_equal(g.numpy(), w.numpy())
+            np.testing.assert_array_equal(g.numpy(), [1.5, 7.0])
+
+
+def test_batch_reduce_of_values_on_different_device_sets(devices):
+    ops = gs.CompressedAllReduce("none")
+    pairs, want = [], []
+    for group in (devices[:2], devices[2:], devices[1:]):
+        strategy = tf.distribute.MirroredStrategy(group)
+        v = per_replica(strategy, (4,), tf.float32, len(pairs))
+        pairs.append((v, v))
+        want.append(tf.distribute.ReductionToOneDevice().reduce(SUM, v, v))
+    got = ops.batch_reduce(SUM, pairs)
+    for g, w, (v, _) in zip(got, want, pairs):
+        assert [x.device for x in g.values] == [x.device for x in v.values]
+        assert_close(g, w, tf.float32)

@@ -105,3 +105,53 @@ def test_tf_keras_fit_in_subprocess():
     assert acc >= 0.93
     assert steps == 20 * 23
     assert ratio == pytest.approx(2.0)
+
+
+def _fit_dgc(keras, devices, momentum, steps=2):
+    ops = gs.CompressedAllReduce("dgc")
+    strategy = tf.distribute.MirroredStrategy(devices, cross_device_ops=ops)
+    x, _, y, _ = train_digits.load_data(0)
+    optimizer = lambda k: train_digits.make_optimizer(k, "sgd", 0.05, momentum)  # noqa: E731
+    with strategy.scope():
+        model = train_digits.build_model(keras, 0, optimizer)
+    weights = [w.copy() for w in model.get_weights()]
+    try:
+        model.fit(x[:64 * steps], y[:64 * steps], batch_size=64, epochs=1, verbose=0)
+    finally:
+        unchanged = all(np.array_equal(a, b) for a, b in zip(weights, model.get_weights()))
+    return ops, unchanged
+
+
+def test_dgc_with_optimizer_momentum_fails_before_the_first_step(devices):
+    with pytest.raises(ValueError, match=r"dgc applies momentum 0.9 itself.*SGD applies "
+                                         r"momentum=0.9.*SGD\(momentum=0.0\)"):
+        _fit_dgc(tf.keras, devices, 0.9)
+    # Nothing was applied: the error comes while the step is traced.
+    ops, unchanged = _fit_dgc(tf.keras, devices, 0.0)
+    assert ops.stats()["steps"] == 2 and not unchanged
+
+
+def test_dgc_with_optimizer_momentum_fails_under_tf_keras():
+    script = textwrap.dedent("""
+        import numpy as np
+        import tensorflow as tf
+        import tf_gradsync as gs
+        import tf_keras
+        import train_digits
+        devices = gs.logical_cpus(2)
+        strategy = tf.distribute.MirroredStrategy(devices, cross_device_ops=gs.CompressedAllReduce("dgc"))
+        x, _, y, _ = train_digits.load_data(0)
+        opt = lambda k: train_digits.make_optimizer(k, "sgd", 0.05, 0.9)
+        with strategy.scope():
+            model = train_digits.build_model(tf_keras, 0, opt)
+        try:
+            model.fit(x[:64], y[:64], batch_size=64, epochs=1, verbose=0)
+        except ValueError as e:
+            print("RAISED", str(e).replace(chr(10), " "))
+    """)
+    env = dict(os.environ, TF_USE_LEGACY_KERAS="1", TF_CPP_MIN_LOG_LEVEL="2",
+               PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "examples")]))
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "RAISED dgc applies momentum 0.9 itself" in out.stdout, out.stdout[-2000:]

@@ -10,12 +10,27 @@ from tf_gradsync.strategy import MultiWorkerMirroredStrategy
 
 __version__ = "0.1.0"
 
+#: Submodules imported on first access (`gs.callbacks.CommunicationMonitor`, as Keras
+#: users write `keras.callbacks.X`): they pull in Keras, which `import tf_gradsync`
+#: itself does not need.
+_LAZY = ("callbacks",)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib  # pylint: disable=import-outside-toplevel
+        module = importlib.import_module(f"{__name__}.{name}")
+        globals()[name] = module
+        return module
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 __all__ = [
     "BucketPlan",
     "CompressedAllReduce",
     "MultiWorkerMirroredStrategy",
     "SyncConfig",
     "algorithms",
+    "callbacks",
     "compression",
     "load_config",
     "logical_cpus",

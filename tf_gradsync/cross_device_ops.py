@@ -174,15 +174,17 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
 
     def _run(self, reduce_op, pairs: Sequence, options, compress: bool) -> list:
         timeout = getattr(options, "timeout_seconds", None)
-        # Pairs that share destinations are synchronised together (one bucket plan).
-        groups: dict[tuple[str, ...], list[int]] = {}
-        for i, (_, dest) in enumerate(pairs):
-            groups.setdefault(_tf_compat.devices_of(dest), []).append(i)
+        # Pairs that share sources and destinations are synchronised together (one
+        # bucket plan); values on other device sets get their own reduction.
+        groups: dict[tuple, list[int]] = {}
+        values = [_tf_compat.to_per_replica(value) for value, _ in pairs]
+        for i, (value, (_, dest)) in enumerate(zip(values, pairs)):
+            key = (tuple(value._devices), _tf_compat.devices_of(dest))  # pylint: disable=protected-access
+            groups.setdefault(key, []).append(i)
         results: list = [None] * len(pairs)
-        for dests, idx in groups.items():
-            values = [_tf_compat.to_per_replica(pairs[i][0]) for i in idx]
-            reduced = self._pipeline.reduce(reduce_op, values, dests, compress=compress,
-                                            timeout=timeout)
+        for (_, dests), idx in groups.items():
+            reduced = self._pipeline.reduce(reduce_op, [values[i] for i in idx], dests,
+                                            compress=compress, timeout=timeout)
             for i, per_dest in zip(idx, reduced):
                 results[i] = _tf_compat.regroup_mirrored(per_dest)
         return results

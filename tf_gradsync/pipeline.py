@@ -6,7 +6,10 @@
 Dense floating values take the compressed, bucketed path. IndexedSlices (embedding
 gradients) are all-gathered as indices and values, never densified, since they are
 already sparse. Non-floating values, and every value when `compress=False`, take the
-same bucketed path with the identity compressor, so results are exact.
+same bucketed path with the identity compressor, so results are exact. Values whose
+static shape is not fully known (a `None` batch dimension inside `tf.function`) cannot
+be bucketed, since a bucket's layout is fixed when the graph is built: each is summed
+exactly where it is needed, from copies of every replica's tensor.
 """
 
 from __future__ import annotations
@@ -85,7 +88,8 @@ class Pipeline:
         sent, dense, errors = [], [], []
         results: list[list | None] = [None] * len(values)
 
-        groups: dict[str, list[int]] = {"compressed": [], "exact": [], "sparse": []}
+        groups: dict[str, list[int]] = {"compressed": [], "exact": [], "sparse": [],
+                                        "dynamic": []}
         for i, v in enumerate(values):
             groups[path_of(v, compress)].append(i)
         if groups["compressed"]:
@@ -107,10 +111,10 @@ class Pipeline:
                     errors += errors_
                 for j, i in enumerate(idx):
                     results[i] = [per_dest[k][j] for k in range(len(dests))]
-            for i in groups["sparse"]:
+            for i in groups["sparse"] + groups["dynamic"]:
                 wire = Wire()
-                results[i] = self._gather_slices(reduce_op, values[i].values, src, dests, wire)
-                # An uncompressed exchange of slices is exactly this gather.
+                results[i] = _gather_sum(reduce_op, values[i].values, src, dests, wire)
+                # An uncompressed exchange of these values is exactly this gather.
                 sent.append(wire.total())
                 dense.append(wire.total())
 
@@ -240,23 +244,6 @@ class Pipeline:
                 role=("leaders", workers))
         return [leader] + [[wire.send(t, d) for t in leader] for d in devices[1:]]
 
-    def _gather_slices(self, reduce_op, slices: Sequence[tf.IndexedSlices], src, dests,
-                       wire: Wire) -> list[tf.IndexedSlices]:
-        """All-gathers IndexedSlices to each destination (uncompressed, not densified)."""
-        n = len(src)
-        out = []
-        for d in dests:
-            with tf.device(d):
-                vals = [s.values if s_dev == d else wire.send(s.values, d)
-                        for s, s_dev in zip(slices, src)]
-                idx = [s.indices if s_dev == d else wire.send(s.indices, d)
-                       for s, s_dev in zip(slices, src)]
-                v = tf.concat(vals, 0)
-                if reduce_op == MEAN:
-                    v = v / tf.cast(n, v.dtype)
-                out.append(tf.IndexedSlices(v, tf.concat(idx, 0), slices[0].dense_shape))
-        return out
-
     def _state_for(self, compressor: Compressor, plan: BucketPlan, bucket: Bucket,
                    replica: int, device: str) -> dict[str, tf.Variable]:
         specs = compressor.state_spec(bucket.layout)
@@ -269,11 +256,36 @@ class Pipeline:
 
 
 def path_of(value, compress: bool = True) -> str:
-    """Which path a PerReplica value takes: "compressed", "exact" or "sparse"."""
+    """Which path a PerReplica value takes: "compressed", "exact", "sparse" or "dynamic"."""
     first = value.values[0]
     if isinstance(first, tf.IndexedSlices):
         return "sparse"
+    if not first.shape.is_fully_defined():
+        return "dynamic"
     return "compressed" if compress and first.dtype.is_floating else "exact"
+
+
+def _gather_sum(reduce_op, tensors: Sequence, src, dests, wire: Wire) -> list:
+    """Every replica's value copied to each destination and summed there: IndexedSlices
+    are concatenated (never densified), dense tensors of any shape added."""
+    n = len(src)
+    out = []
+    for d in dests:
+        with tf.device(d):
+            if isinstance(tensors[0], tf.IndexedSlices):
+                vals = [s.values if s_dev == d else wire.send(s.values, d)
+                        for s, s_dev in zip(tensors, src)]
+                idx = [s.indices if s_dev == d else wire.send(s.indices, d)
+                       for s, s_dev in zip(tensors, src)]
+                v = tf.concat(vals, 0)
+                if reduce_op == MEAN:
+                    v = v / tf.cast(n, v.dtype)
+                out.append(tf.IndexedSlices(v, tf.concat(idx, 0), tensors[0].dense_shape))
+            else:
+                y = tf.add_n([t if t_dev == d else wire.send(t, d)
+                              for t, t_dev in zip(tensors, src)])
+                out.append(driver.finish(y, reduce_op == MEAN, n, False))
+    return out
 
 
 def _add(terms) -> tf.Tensor:

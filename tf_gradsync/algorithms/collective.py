@@ -123,9 +123,10 @@ def all_gather(payloads: DevicePayloads, devices: Sequence[str], wire: Wire,
     return _in_graph(launch, payloads, devices)
 
 
-# CollectiveGatherV2 carries 16/32/64-bit types only; narrower payloads (packed bits,
-# int8) travel bit-for-bit as int32 words, so the bytes on the wire stay the same.
-_NATIVE = (tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int32, tf.int64)
+# CollectiveGatherV2 carries float16/32/64 and int32/64 only; other payloads (packed
+# bits, int8, bfloat16 scales) travel bit-for-bit as int32 words, so the bytes on the
+# wire stay the same.
+_NATIVE = (tf.float16, tf.float32, tf.float64, tf.int32, tf.int64)
 
 
 def _to_words(t: tf.Tensor) -> tf.Tensor:

@@ -1,15 +1,29 @@
-"""Accuracy and time-to-accuracy: scikit-learn's digits, trained under MirroredStrategy on
-4 logical CPU devices with TensorFlow's cross-device ops and with each compressor.
+"""The convergence matrix: architectures x optimizers x compressors, at library defaults.
 
-Data, model and optimizer are those of `examples/train_digits.py` (the 17,226-parameter
-MLP, Adam 1e-3, global batch 64, seed 0, no shuffling), so every mode starts from the
-same weights and sees the same batches. "stock" is MirroredStrategy with its own
-cross-device ops (on CPU devices, TensorFlow's CollectiveAllReduce). Test accuracy is measured after every epoch;
-time-to-accuracy is the training wall time (test passes excluded, the first epoch's
-tracing included) until it first reaches `--target_accuracy`.
+Each cell trains scikit-learn's digits under MirroredStrategy on 4 logical CPU devices
+with one model of `examples/train_digits.py` (`mlp`: 17,226 parameters; `cnn`: three
+convolutions and a dense head, 58,314; `resnet`: a small residual network with batch
+normalisation on the digits upsampled to 16x16, 19,994), one optimizer recipe and one
+mode: "stock" (MirroredStrategy's own cross-device ops), or a compressor at its
+library defaults (error feedback as `CompressedAllReduce` decides). Global batch 64,
+seed 0, no shuffling: every mode starts from the same weights and sees the same
+batches. Test accuracy is measured after every epoch; time-to-accuracy is the training
+wall time (test passes excluded, the first epoch's tracing included) until it first
+reaches `--target_accuracy`. `comm_error` is the mean over the steps of the relative
+compression error the ops report.
+
+Recipes (learning rates where uncompressed training works on all three models):
+  adam  Adam, learning rate 1e-3
+  sgdm  SGD, learning rate 0.05, momentum 0.9
+  sgd   SGD, learning rate 0.05, no momentum
+
+A compressor that applies momentum itself (dgc) refuses an optimizer with momentum
+before the first step; its `sgdm` cell then runs the recipe with the momentum moved
+into the compressor (SGD with momentum 0) and says so in `note`.
 
 `--compressors` takes registered names with optional arguments, `name:key=value:...`
-(e.g. `powersgd:rank=16`); error feedback follows the `CompressedAllReduce` default.
+(e.g. `powersgd:rank=16`; `error_feedback=false` turns the default error feedback
+off), and "stock".
 """
 
 from __future__ import annotations
@@ -20,29 +34,32 @@ import sys
 import time
 from typing import Sequence
 
+import numpy as np
 import tensorflow as tf
 import yaml
 from absl import flags
 
 import tf_gradsync as gs
 
-flags.DEFINE_integer("accuracy_epochs", 30, "accuracy: training epochs.")
+flags.DEFINE_integer("accuracy_epochs", 15, "accuracy: training epochs.")
 flags.DEFINE_float("target_accuracy", 0.95, "accuracy: test accuracy for time-to-accuracy.")
+flags.DEFINE_list("models", ["mlp", "cnn", "resnet"], "accuracy: architectures.")
+flags.DEFINE_list("optimizers", ["adam", "sgdm", "sgd"], "accuracy: optimizer recipes.")
 FLAGS = flags.FLAGS
 
 REPLICAS = 4
 BATCH_SIZE = 64
 SEED = 0
 NOT_REACHED = "not reached"
-COLUMNS = ["mode", "accuracy", "vs_stock_pts", "vs_none_pts", "epochs_to_target",
-           "seconds_to_target", "bytes_per_step", "ratio", "train_s"]
-PLOT = (("mode", "accuracy", "final test accuracy"),
-        ("mode", "epochs_to_target", "epochs to target accuracy"),
-        ("mode", "seconds_to_target", "seconds to target accuracy"))
+#: Recipe -> (optimizer, learning rate, momentum).
+RECIPES = {"adam": ("adam", 1e-3, 0.0), "sgdm": ("sgd", 0.05, 0.9), "sgd": ("sgd", 0.05, 0.0)}
+COLUMNS = ["model", "optimizer", "mode", "accuracy", "vs_none_pts", "vs_stock_pts",
+           "epochs_to_target", "seconds_to_target", "ratio", "comm_error", "note"]
+PLOT = ("mode", "vs_none_pts", "test accuracy - none's (points)", "setting")
 
 
 def train_digits():
-    """`examples/train_digits.py` of this source tree, which owns the data and model.
+    """`examples/train_digits.py` of this source tree, which owns the data and models.
 
     Raises:
       ImportError: outside a source checkout (the examples are not installed).
@@ -60,16 +77,17 @@ def train_digits():
     return module
 
 
-def compressor_from_spec(spec: str) -> gs.compression.Compressor:
-    """Builds a compressor from `name` or `name:key=value:...` (values parsed as YAML).
+def ops_from_spec(spec: str) -> gs.CompressedAllReduce:
+    """Builds ops from `name` or `name:key=value:...` (values parsed as YAML); the key
+    `error_feedback` goes to `CompressedAllReduce`, the others to the compressor.
 
     Raises:
       ValueError: for an unknown name, an argument without `=`, or arguments the
         compressor rejects.
 
     Example:
-      >>> compressor_from_spec("topk:ratio=0.1").name
-      'topk'
+      >>> ops_from_spec("sign:error_feedback=false").compressor.name
+      'sign'
     """
     name, *args = spec.split(":")
     kwargs = {}
@@ -79,7 +97,9 @@ def compressor_from_spec(spec: str) -> gs.compression.Compressor:
             raise ValueError(f"bad compressor argument {arg!r} in {spec!r}; "
                              "expected name:key=value[:key=value...]")
         kwargs[key] = yaml.safe_load(value)
-    return gs.compression.get(name, **kwargs)
+    error_feedback = kwargs.pop("error_feedback", None) if name != "powersgd" else None
+    return gs.CompressedAllReduce(gs.compression.get(name, **kwargs),
+                                  error_feedback=error_feedback)
 
 
 def time_to_target(accuracies: Sequence[float], seconds: Sequence[float],
@@ -104,11 +124,20 @@ def time_to_target(accuracies: Sequence[float], seconds: Sequence[float],
     return NOT_REACHED, NOT_REACHED
 
 
-class _TrainClock(tf.keras.callbacks.Callback):
-    """Cumulative training seconds at each epoch end, without the test passes."""
+class _Clock(tf.keras.callbacks.Callback):
+    """Cumulative training seconds at each epoch end (without the test passes), and the
+    compression error of every step."""
+
+    def __init__(self, ops):
+        super().__init__()
+        self.ops = ops
 
     def on_train_begin(self, logs=None):
-        self.start, self.excluded, self.at_epoch = time.perf_counter(), 0.0, []
+        self.start, self.excluded, self.at_epoch, self.errors = time.perf_counter(), 0.0, [], []
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.ops is not None:
+            self.errors.append(self.ops.stats()["comm_error"])
 
     def on_test_begin(self, logs=None):
         self.test_start = time.perf_counter()
@@ -121,58 +150,102 @@ class _TrainClock(tf.keras.callbacks.Callback):
         self.at_epoch.append(time.perf_counter() - self.start - self.excluded)
 
 
-def train_mode(mode: str, devices: Sequence[str], data, epochs: int, target: float) -> dict:
-    """Trains digits once: `mode` is "stock" (MirroredStrategy's own ops) or a compressor spec.
+def train_cell(model: str, recipe: str, mode: str, devices: Sequence[str], data,
+               epochs: int, target: float, validate_every_epoch: bool = True) -> dict:
+    """Trains one cell of the matrix.
+
+    Args:
+      model: an architecture of `train_digits.MODELS`.
+      recipe: a key of `RECIPES`.
+      mode: "stock" or a compressor spec.
+      devices: the replicas' devices.
+      data: `(x_train, x_test, y_train, y_test)`.
+      epochs: training epochs.
+      target: accuracy for time-to-accuracy.
+      validate_every_epoch: test after every epoch (for epochs and seconds to the
+        target); False: only after the last.
 
     Returns:
       A row: `accuracy` (final test accuracy), `accuracies` (per epoch),
-      `epochs_to_target`, `seconds_to_target`, `train_s`, and for compressors
-      `bytes_per_step` (per replica, last gradient synchronisation) and `ratio` (what
-      an uncompressed all-reduce would send over that).
+      `epochs_to_target`, `seconds_to_target`, `train_s`, `note`, and for compressors
+      `bytes_per_step` (per replica, last step), `ratio` (what an uncompressed
+      all-reduce would send over that) and `comm_error` (mean over steps).
     """
     digits = train_digits()
-    ops = None if mode == "stock" else gs.CompressedAllReduce(compressor_from_spec(mode))
-    strategy = tf.distribute.MirroredStrategy(list(devices), cross_device_ops=ops)
-    x_train, x_test, y_train, y_test = data
-    with strategy.scope():
-        model = digits.build_model(tf.keras, SEED)
-    clock = _TrainClock()
-    history = model.fit(x_train, y_train, epochs=epochs, batch_size=BATCH_SIZE, shuffle=False,
-                        validation_data=(x_test, y_test), callbacks=[clock], verbose=0)
-    accs = [float(a) for a in history.history["val_accuracy"]]
-    epochs_to, seconds_to = time_to_target(accs, clock.at_epoch, target)
-    row = {"mode": mode, "accuracy": accs[-1], "accuracies": accs,
-           "epochs_to_target": epochs_to, "seconds_to_target": seconds_to,
-           "train_s": clock.at_epoch[-1], "bytes_per_step": None, "ratio": None}
+    name, lr, momentum = RECIPES[recipe]
+    note = ""
+    for attempt in range(2):
+        ops = None if mode == "stock" else ops_from_spec(mode)
+        strategy = tf.distribute.MirroredStrategy(list(devices), cross_device_ops=ops)
+        x_train, x_test, y_train, y_test = data
+        with strategy.scope():
+            net = digits.build_model(
+                tf.keras, SEED, lambda k, m=momentum: digits.make_optimizer(k, name, lr, m), model)
+        clock = _Clock(ops)
+        try:
+            history = net.fit(x_train, y_train, epochs=epochs, batch_size=BATCH_SIZE,
+                              shuffle=False, callbacks=[clock], verbose=0,
+                              validation_data=(x_test, y_test) if validate_every_epoch else None)
+            break
+        except ValueError as e:
+            # A compressor that applies momentum itself refuses the optimizer's: the
+            # recipe's momentum moves into the compressor.
+            if attempt or not momentum or "momentum" not in str(e):
+                raise
+            momentum, note = 0.0, "optimizer momentum 0 (the compressor applies momentum)"
+    if validate_every_epoch:
+        accs = [float(a) for a in history.history["val_accuracy"]]
+        epochs_to, seconds_to = time_to_target(accs, clock.at_epoch, target)
+    else:
+        accs = [float(net.evaluate(x_test, y_test, batch_size=BATCH_SIZE, verbose=0)[1])]
+        epochs_to = seconds_to = None
+    row = {"model": model, "optimizer": recipe, "setting": f"{model}/{recipe}", "mode": mode,
+           "accuracy": accs[-1], "accuracies": accs, "epochs_to_target": epochs_to,
+           "seconds_to_target": seconds_to, "train_s": clock.at_epoch[-1], "note": note,
+           "bytes_per_step": None, "ratio": None, "comm_error": None}
     if ops is not None:
         s = ops.stats()
         row["bytes_per_step"] = s["last_bytes_sent"]
         row["ratio"] = s["last_bytes_dense"] / max(s["last_bytes_sent"], 1)
+        row["comm_error"] = float(np.mean(clock.errors)) if clock.errors else None
     return row
 
 
-def compare(modes: Sequence[str], devices: Sequence[str], epochs: int,
-            target: float) -> list[dict]:
-    """Trains every mode on the same data and adds the deltas, in accuracy points.
+def compare(modes: Sequence[str], devices: Sequence[str], epochs: int, target: float,
+            models: Sequence[str] = ("mlp",), recipes: Sequence[str] = ("adam",)) -> list[dict]:
+    """Trains every mode in every (model, recipe) setting; adds deltas in accuracy points.
 
     Returns:
-      The rows of `train_mode`, plus `vs_stock_pts` and `vs_none_pts` (100 x accuracy
-      difference; None when "stock" or "none" is not among `modes`).
+      The rows of `train_cell`, plus `vs_stock_pts` and `vs_none_pts` (100 x accuracy
+      difference with "stock" and "none" of the same setting; None when absent).
+
+    Raises:
+      ValueError: for an unknown model or recipe.
     """
+    unknown = [m for m in models if m not in train_digits().MODELS]
+    unknown += [r for r in recipes if r not in RECIPES]
+    if unknown:
+        raise ValueError(f"unknown models or optimizers {unknown}; valid models: "
+                         f"{', '.join(train_digits().MODELS)}; optimizers: {', '.join(RECIPES)}")
     data = train_digits().load_data(SEED)
     rows = []
-    for mode in modes:
-        print(f"[bench] accuracy {mode}", file=sys.stderr, flush=True)
-        rows.append(train_mode(mode, devices, data, epochs, target))
-    ref = {r["mode"]: r["accuracy"] for r in rows if r["mode"] in ("stock", "none")}
-    for r in rows:
-        for col, base in (("vs_stock_pts", "stock"), ("vs_none_pts", "none")):
-            r[col] = 100 * (r["accuracy"] - ref[base]) if base in ref else None
+    for model in models:
+        for recipe in recipes:
+            cell = []
+            for mode in modes:
+                print(f"[bench] accuracy {model} {recipe} {mode}", file=sys.stderr, flush=True)
+                cell.append(train_cell(model, recipe, mode, devices, data, epochs, target))
+            ref = {r["mode"]: r["accuracy"] for r in cell if r["mode"] in ("stock", "none")}
+            for r in cell:
+                for col, base in (("vs_stock_pts", "stock"), ("vs_none_pts", "none")):
+                    r[col] = 100 * (r["accuracy"] - ref[base]) if base in ref else None
+            rows += cell
     return rows
 
 
 def run() -> tuple[list[dict], list[str]]:
-    """The suite: stock, then --compressors (default: every registered compressor)."""
+    """The suite: none, then --compressors (default: every other registered compressor)."""
     devices = gs.logical_cpus(REPLICAS)
-    modes = ["stock", *(FLAGS.compressors or gs.compression.names())]
-    return compare(modes, devices, FLAGS.accuracy_epochs, FLAGS.target_accuracy), COLUMNS
+    modes = FLAGS.compressors or ["none", *(n for n in gs.compression.names() if n != "none")]
+    return compare(modes, devices, FLAGS.accuracy_epochs, FLAGS.target_accuracy,
+                   FLAGS.models, FLAGS.optimizers), COLUMNS

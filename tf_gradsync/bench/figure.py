@@ -87,7 +87,8 @@ def write_png(rows: Sequence[dict], columns: Sequence[str], path: str, plot=None
         raise ImportError("--png needs matplotlib: pip install 'tf_gradsync[bench]' "
                           "(or pip install matplotlib)") from e
     # A bare Figure renders with Agg on savefig; pyplot (and its global backend) is not needed.
-    fig = Figure(figsize=(max(6.0, 0.6 * len(rows) + 2), 4.0 * len(chosen)), layout="constrained")
+    fig = Figure(figsize=(max(6.0, 0.6 * max(_slots(rows, p) for p in chosen) + 2),
+                          4.0 * len(chosen)), layout="constrained")
     axes = fig.subplots(len(chosen), 1, squeeze=False)[:, 0]
     for ax, panel in zip(axes, chosen):
         _bars(ax, rows, *panel)
@@ -95,6 +96,15 @@ def write_png(rows: Sequence[dict], columns: Sequence[str], path: str, plot=None
         fig.suptitle(title)
     fig.savefig(path, format="png", dpi=100)
     return path
+
+
+def _slots(rows, panel) -> float:
+    """Horizontal room a panel needs, in bar-group widths."""
+    if len(panel) < 4:
+        return len(rows)
+    labels = {str(r.get(panel[0])) for r in rows}
+    groups = {r.get(panel[3]) for r in rows}
+    return len(labels) * max(1.0, len(groups) / 3)
 
 
 def _bars(ax, rows, x: str, metric: str, ylabel: str, series: str | None = None) -> None:

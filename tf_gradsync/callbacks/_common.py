@@ -13,7 +13,8 @@ from tf_gradsync.cross_device_ops import CompressedAllReduce
 
 #: Columns of a record, in CSV order. JSON lines may carry extra scalar Keras metrics.
 FIELDS = ("kind", "step", "epoch", "wall_time_s", "loss", "steps", "comm_bytes",
-          "comm_bytes_dense", "compression_ratio", "step_time_ms", "samples_per_sec",
+          "comm_bytes_dense", "compression_ratio", "comm_error", "step_time_ms",
+          "samples_per_sec",
           "comm_bytes_total", "step_time_p50_ms", "step_time_p90_ms")
 
 
@@ -92,6 +93,8 @@ class Meter:
         rec = {"step": self.step, "steps": n, "comm_bytes": sent / n,
                "comm_bytes_dense": dense / n,
                "compression_ratio": dense / sent if sent else 1.0,
+               # Of the latest synchronisation (the only one with steps_per_execution 1).
+               "comm_error": now["comm_error"],
                "step_time_ms": None, "samples_per_sec": None}
         if elapsed_s is not None and elapsed_s > 0:
             rec["step_time_ms"] = 1000.0 * elapsed_s / n
@@ -122,6 +125,8 @@ def summarise(records: list[dict], total_sent: int) -> dict:
         "comm_bytes": sent / steps if steps else 0.0,
         "comm_bytes_dense": dense / steps if steps else 0.0,
         "compression_ratio": dense / sent if sent else 1.0,
+        "comm_error": (sum(r["comm_error"] * r["steps"] for r in records) / steps
+                       if steps else nan),
         "step_time_ms": 1000.0 * time_s / timed_steps if timed_steps else nan,
         "samples_per_sec": sum(v * t for v, t in rates) / rate_s if rate_s else nan,
         "comm_bytes_total": total_sent,

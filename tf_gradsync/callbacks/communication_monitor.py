@@ -11,8 +11,8 @@ import tensorflow as tf
 
 from tf_gradsync.callbacks import _common
 
-_BATCH_KEYS = ("comm_bytes", "comm_bytes_dense", "compression_ratio", "step_time_ms",
-               "samples_per_sec")
+_BATCH_KEYS = ("comm_bytes", "comm_bytes_dense", "compression_ratio", "comm_error",
+               "step_time_ms", "samples_per_sec")
 _EPOCH_KEYS = _BATCH_KEYS + ("comm_bytes_total", "step_time_p50_ms", "step_time_p90_ms")
 _HAVE_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None
 
@@ -28,6 +28,9 @@ class CommunicationMonitor(tf.keras.callbacks.Callback):
       another callback, counts towards the next batch).
     * `comm_bytes_dense`: what an uncompressed ring all-reduce would have sent.
     * `compression_ratio`: `comm_bytes_dense / comm_bytes`.
+    * `comm_error`: the relative compression error ||x - C(x)|| / ||x|| of the latest
+      gradient synchronisation, over its buckets and replicas (`ops.stats()`): what
+      compression did to the gradients that were sent (0 for `none`).
     * `step_time_ms`: wall time per step between `on_train_batch_begin` and
       `on_train_batch_end`, divided by the steps the batch covered (more than one with
       `steps_per_execution > 1`). The first batch of training includes tracing and is

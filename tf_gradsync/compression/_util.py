@@ -179,8 +179,9 @@ class Segments:
     """Contiguous segments of a flat bucket: its tensors, or chunks of its tensors.
 
     Per-segment statistics take one segment reduction over the whole bucket rather
-    than one op per tensor, and a bucket of one segment takes plain reductions, so a
-    bucket of hundreds of small tensors and a bucket of one large one both stay cheap.
+    than one op per tensor; a bucket of one segment takes plain reductions, and one of
+    equal segments (a tensor cut into chunks) a reshape, so a bucket of hundreds of
+    small tensors and a bucket of one large one both stay cheap.
 
     Args:
       sizes: element count of each segment, in bucket order; empty ones are dropped
@@ -196,6 +197,8 @@ class Segments:
         self.count = len(self.sizes)
         self.numel = sum(self.sizes)
         self.offsets = tuple(int(o) for o in np.cumsum((0,) + self.sizes[:-1]))
+        #: All segments have one size: reductions are a reshape.
+        self.regular = self.count > 1 and len(set(self.sizes)) == 1
 
     @classmethod
     def of(cls, layout) -> "Segments":
@@ -215,26 +218,45 @@ class Segments:
         """int32 [numel]: the segment of each element."""
         return tf.repeat(tf.range(self.count, dtype=tf.int32), self.sizes)
 
+    def _reduce(self, plain, segment, v: tf.Tensor, ids) -> tf.Tensor:
+        if self.count == 1:
+            return plain(v, keepdims=True)
+        if self.regular:
+            return plain(tf.reshape(v, [self.count, -1]), axis=1)
+        return tf.reshape(segment(v, self.ids() if ids is None else ids), [self.count])
+
     def sum(self, v: tf.Tensor, ids: tf.Tensor | None = None) -> tf.Tensor:
         """Per-segment sums, [count]."""
-        if self.count == 1:
-            return tf.reduce_sum(v, keepdims=True)
-        return tf.reshape(tf.math.segment_sum(v, self.ids() if ids is None else ids),
-                          [self.count])
+        return self._reduce(tf.reduce_sum, tf.math.segment_sum, v, ids)
 
     def max(self, v: tf.Tensor, ids: tf.Tensor | None = None) -> tf.Tensor:
         """Per-segment maxima, [count]."""
-        if self.count == 1:
-            return tf.reduce_max(v, keepdims=True)
-        return tf.reshape(tf.math.segment_max(v, self.ids() if ids is None else ids),
-                          [self.count])
+        return self._reduce(tf.reduce_max, tf.math.segment_max, v, ids)
 
-    def expand(self, per_segment: tf.Tensor) -> tf.Tensor:
+    def expand(self, per_segment: tf.Tensor, ids: tf.Tensor | None = None) -> tf.Tensor:
         """Each segment's value repeated over its elements ([1] for one segment, which
         broadcasts)."""
         if self.count == 1:
             return per_segment
-        return tf.repeat(per_segment, self.sizes)
+        if self.regular:
+            return tf.reshape(tf.broadcast_to(per_segment[:, None],
+                                              [self.count, self.sizes[0]]), [-1])
+        return tf.gather(per_segment, self.ids() if ids is None else ids)
+
+    def index(self) -> tf.Tensor | None:
+        """`ids()` when segment reductions need them (shared by several calls), else None."""
+        return None if self.count == 1 or self.regular else self.ids()
+
+
+def blocks(layout, block: int | None) -> Segments:
+    """Blocks of `block` entries within each tensor of `layout` (None: whole tensors)."""
+    return Segments.of(layout) if block is None else Segments.chunks(layout, block)
+
+
+def scale_dtype(dtype: tf.DType) -> tf.DType:
+    """The wire dtype of per-block scales: bfloat16 (float32's range in 2 bytes; error
+    feedback absorbs its rounding), float64 for float64 input."""
+    return tf.float64 if dtype == tf.float64 else tf.bfloat16
 
 
 def counts(ratio: float, seg: Segments) -> list[int]:

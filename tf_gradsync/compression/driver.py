@@ -157,7 +157,9 @@ def finish(y: tf.Tensor, mean: bool, n: int, prescaled: bool) -> tf.Tensor:
     if prescaled and not mean:
         return y * tf.cast(n, y.dtype)
     if not prescaled and mean:
-        return y // n if y.dtype.is_integer else y / tf.cast(n, y.dtype)
+        # As TensorFlow's reductions: integers divide into floats (int32/int64 into
+        # float64), so the mean of 1 and 2 is 1.5.
+        return tf.math.truediv(y, n) if y.dtype.is_integer else y / tf.cast(n, y.dtype)
     return y
 
 

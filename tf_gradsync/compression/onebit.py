@@ -1,4 +1,4 @@
-"""1-bit SGD: one bit per entry, reconstructed as the mean of its sign class per tensor.
+"""1-bit SGD: one bit per entry, reconstructed from the magnitude of its class per block.
 
 References:
   Seide et al., "1-Bit Stochastic Gradient Descent and its Application to
@@ -17,18 +17,29 @@ from tf_gradsync.compression.base import Compressor, Context, register
 
 @register("onebit")
 class OneBit(Compressor):
-    """Sends bit = (x >= 0); entries decode to the mean of the entries of their tensor
-    with their bit.
+    """Sends bit = (x >= 0) and, per block, one magnitude for each sign class.
 
-    The two reconstruction values per tensor (the paper quantises per column of a
-    weight matrix; here per tensor), the mean of its non-negative entries and the mean
-    of its negative ones (0 for an empty class), minimise the squared error for the
-    given bits. The paper carries the quantisation error to the next step; here that
-    is `ErrorFeedback(OneBit())`. Biased.
+    Each tensor is cut into blocks of `block` entries (the paper quantises per column
+    of a weight matrix; `block=None`: one block per tensor). Per block, the
+    non-negative entries decode to the root mean square of the non-negative entries,
+    the negative ones to minus that of the negative entries (0 for an empty class).
+    The paper's reconstruction values are the class means, which minimise the squared
+    error for the given bits; under error feedback they delay the largest entries (see
+    `Sign` for why), and the class root mean square, which sends each class's full
+    energy, trains where the means diverge. The paper carries the quantisation error
+    to the next step; here that is `ErrorFeedback(OneBit())`, the default. Biased.
 
-    Payload: `(bits, positive means, negative means)`: bits packed eight per uint8,
-    ceil(n / 8) bytes, and two float32 values per tensor (float64 for float64 input).
-    All-gathered. A non-finite bucket gives NaN means (all-NaN output).
+    Payload: `(bits, positive magnitudes, negative magnitudes)`: bits packed eight per
+    uint8, ceil(n / 8) bytes, and two bfloat16 values per block (float64 for float64
+    input): 2 bits per entry at the default block of 32. All-gathered. A non-finite
+    bucket gives NaN magnitudes (all-NaN output).
+
+    Args:
+      block: entries per pair of magnitudes within a tensor, an integer >= 1, or None
+        for one pair per tensor.
+
+    Raises:
+      ValueError: for a `block` that is not a positive integer or None.
 
     Example:
       >>> c = tf_gradsync.compression.ErrorFeedback(tf_gradsync.compression.get("onebit"))
@@ -37,24 +48,34 @@ class OneBit(Compressor):
     summable = False
     unbiased = False
 
+    def __init__(self, block: int | None = 32):
+        if block is not None:
+            _util.check_number("block", block, 1, integer=True)
+        self.block = block
+
     def compress(self, x: tf.Tensor, ctx: Context):
-        """Returns `((packed bits, positive means, negative means), (segments, dtype))`."""
-        seg = _util.Segments.of(ctx.layout_of(x))
-        ids = None if seg.count == 1 else seg.ids()
+        """Returns `((packed bits, positive, negative magnitudes), (segments, dtype))`."""
+        seg = _util.blocks(ctx.layout_of(x), self.block)
+        ids = seg.index()
         wd = _util.work_dtype(x.dtype)
         v = tf.cast(x, wd)
         bit = v >= 0
         pos = tf.cast(bit, wd)
-        bad = _util.poison(x, wd)
+        sq = tf.square(v)
         n_pos = seg.sum(pos, ids)
-        hi = tf.math.divide_no_nan(seg.sum(v * pos, ids), n_pos) + bad
-        lo = tf.math.divide_no_nan(seg.sum(v * (1 - pos), ids),
-                                   tf.constant(seg.sizes, wd) - n_pos) + bad
-        return (_util.pack(bit, 1), hi, lo), (seg, x.dtype)
+        sq_pos = seg.sum(sq * pos, ids)
+        hi = tf.sqrt(tf.math.divide_no_nan(sq_pos, n_pos))
+        lo = tf.sqrt(tf.math.divide_no_nan(seg.sum(sq, ids) - sq_pos,
+                                           tf.constant(seg.sizes, wd) - n_pos))
+        bad, sd = _util.poison(x, wd), _util.scale_dtype(x.dtype)
+        return (_util.pack(bit, 1), tf.cast(hi + bad, sd), tf.cast(lo + bad, sd)), (seg, x.dtype)
 
     def decompress(self, payload: Sequence[tf.Tensor], meta) -> tf.Tensor:
-        """Each entry becomes the mean of its class in its tensor, in the input dtype."""
+        """Each entry becomes its class's magnitude in its block, signed, in the input dtype."""
         packed, hi, lo = payload
         seg, dtype = meta
+        wd = _util.work_dtype(dtype)
         bit = _util.unpack(packed, 1, seg.numel) == 1
-        return tf.cast(tf.where(bit, seg.expand(hi), seg.expand(lo)), dtype)
+        ids = seg.index()
+        return tf.cast(tf.where(bit, seg.expand(tf.cast(hi, wd), ids),
+                                -seg.expand(tf.cast(lo, wd), ids)), dtype)

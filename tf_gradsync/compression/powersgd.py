@@ -79,6 +79,8 @@ class PowerSGD(Compressor):
       start_iter: steps of uncompressed warm-up, an integer >= 0.
       min_compression_rate: least dense/compressed size ratio to compress a matrix, >= 1.
       warm_start: reuse the previous step's Q.
+      error_feedback: keep the residual (the paper's method; False: the error is
+        dropped, as PyTorch's `use_error_feedback=False`).
 
     Raises:
       ValueError: for an argument outside its range.
@@ -92,14 +94,16 @@ class PowerSGD(Compressor):
     has_own_memory = True
 
     def __init__(self, rank: int = 4, start_iter: int = 100, min_compression_rate: float = 2.0,
-                 warm_start: bool = True):
+                 warm_start: bool = True, error_feedback: bool = True):
         _util.check_number("rank", rank, 1, integer=True)
         _util.check_number("start_iter", start_iter, 0, integer=True)
         _util.check_number("min_compression_rate", min_compression_rate, 1)
-        if not isinstance(warm_start, bool):
-            raise ValueError(f"warm_start must be a bool (True or False), got {warm_start!r}")
+        for name, value in (("warm_start", warm_start), ("error_feedback", error_feedback)):
+            if not isinstance(value, bool):
+                raise ValueError(f"{name} must be a bool (True or False), got {value!r}")
         self.rank, self.start_iter = rank, start_iter
         self.min_compression_rate, self.warm_start = min_compression_rate, warm_start
+        self.error_feedback = error_feedback
         # Mode 0: dense warm-up, mode 1: low rank (only mode 1 without a warm-up).
         self.num_modes = 2 if start_iter else 1
         self._plans: dict[Layout, _Plan] = {}
@@ -127,12 +131,12 @@ class PowerSGD(Compressor):
         return _Plan(tuple(matrices), tuple(dense), p, q)
 
     def state_spec(self, layout: Layout) -> dict[str, StateSpec]:
-        """`residual` [numel] and, with warm start, `q` [sum(cols * r)]; none if nothing
-        is compressed."""
+        """`residual` [numel] (with error feedback) and, with warm start, `q`
+        [sum(cols * r)]; none if nothing is compressed."""
         plan, wd = self.plan(layout), _util.work_dtype(layout.dtype)
         if not plan.matrices:
             return {}
-        spec = {"residual": StateSpec((layout.numel,), wd)}
+        spec = {"residual": StateSpec((layout.numel,), wd)} if self.error_feedback else {}
         if self.warm_start:
             spec["q"] = StateSpec((plan.q_size,), wd, _initial_q)
         return spec
@@ -155,8 +159,8 @@ class PowerSGD(Compressor):
 
     def _low_rank(self, x: tf.Tensor, ctx: Context, layout: Layout, plan: _Plan) -> Rounds:
         wd = _util.work_dtype(x.dtype)
-        residual = ctx.state["residual"]
-        m_flat = tf.cast(x, wd) + residual
+        residual = ctx.state.get("residual")
+        m_flat = tf.cast(x, wd) if residual is None else tf.cast(x, wd) + residual
         ms = [tf.reshape(m_flat[a.offset:a.offset + a.size], [a.rows, a.cols])
               for a in plan.matrices]
         if self.warm_start:
@@ -187,9 +191,9 @@ class PowerSGD(Compressor):
         mine = [(a.offset, r) for a, r in zip(plan.matrices, local)]
         mine += [(o, tf.cast(x[o:o + s], wd)) for o, s in plan.dense]
         approx = _assemble(mine)
-        error = m_flat - approx
-        keep = tf.reduce_all(tf.math.is_finite(error))
-        residual.assign(tf.where(keep, error, 0))
+        if residual is not None:
+            error = m_flat - approx
+            residual.assign(tf.where(tf.reduce_all(tf.math.is_finite(error)), error, 0))
         ctx.record_error(m_flat, approx)
         if self.warm_start:
             ok = tf.reduce_all(tf.math.is_finite(q_sum)) & tf.reduce_any(q_sum != 0)

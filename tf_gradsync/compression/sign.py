@@ -1,9 +1,10 @@
-"""Scaled sign compression (EF-SignSGD): one bit per entry plus a magnitude per tensor.
+"""Scaled sign compression (EF-SignSGD): one bit per entry plus a magnitude per block.
 
 References:
   Karimireddy et al., "Error Feedback Fixes SignSGD and other Gradient Compression
-  Schemes", ICML 2019; Tang et al., "1-bit Adam: Communication Efficient Large-Scale
-  Training with Adam's Convergence Speed", ICML 2021 (the L2 scale).
+  Schemes", ICML 2019 (scaled sign with error feedback); Tang et al., "1-bit Adam:
+  Communication Efficient Large-Scale Training with Adam's Convergence Speed", ICML
+  2021 (the L2 scale ||x||_2 / sqrt(d)).
 """
 
 from __future__ import annotations
@@ -15,16 +16,43 @@ import tensorflow as tf
 from tf_gradsync.compression import _util
 from tf_gradsync.compression.base import Compressor, Context, register
 
-_SCALES = ("l1", "l2")
+SCALES = ("l2", "l1")
 
 
 @register("sign")
 class Sign(Compressor):
-    """Reconstructs `scale * sign(x)` per tensor, with sign(0) taken as +1.
+    """Reconstructs `scale * sign(x)` (sign(0) taken as +1), one scale per block.
+
+    Each tensor of the bucket is cut into blocks of `block` entries (the last one of a
+    tensor shorter; `block=None`: one block per tensor), and each block gets the scale
+    ||x_b||_2 / sqrt(d_b) ("l2": the block's root mean square; energy preserving) or
+    ||x_b||_1 / d_b ("l1": the paper's scale, which minimises the squared error).
+
+    Why not the paper's form, one l1 scale per layer: under error feedback a scaled
+    sign sends the same magnitude for every entry of its block, so entries larger
+    than the scale are delayed, and gradients are heavy-tailed: the largest entries,
+    the ones that matter most, wait in the residual for many steps, the residual
+    grows to many times the gradient (||e - C(e)|| / ||e|| above 0.9), and the
+    delayed update destabilises training at the learning rates of SGD with momentum
+    (a CNN on digits with SGD, learning rate 0.05, momentum 0.9, diverged; the paper
+    trains EF-SignSGD without momentum). Small blocks follow the local magnitude and
+    the l2 scale sends each block's full energy, which keeps the delay short: the
+    same CNN then trains within a point of uncompressed SGD.
+
+    Biased: use it under error feedback (the default in `CompressedAllReduce`).
+
+    Payload: `(bits, scales)`: sign bits (1 for x >= 0) packed eight per uint8,
+    ceil(n / 8) bytes, and one bfloat16 scale per block (float64 for float64 input):
+    1.5 bits per entry at the default block of 32. All-gathered. A zero block gives
+    zeros; a non-finite bucket NaN scales (all-NaN output).
 
     Args:
-      scale: "l1" (||x||_1 / d) or "l2" (||x||_2 / sqrt(d)).
-      block: elements per scale within a tensor, or None for one per tensor.
+      block: entries per scale within a tensor, an integer >= 1, or None for one
+        scale per tensor.
+      scale: "l2" or "l1".
+
+    Raises:
+      ValueError: for a `block` or `scale` outside its range.
 
     Example:
       >>> c = tf_gradsync.compression.ErrorFeedback(tf_gradsync.compression.get("sign"))
@@ -33,30 +61,31 @@ class Sign(Compressor):
     summable = False
     unbiased = False
 
-    def __init__(self, scale: str = "l1", block: int | None = None):
-        if scale not in _SCALES:
-            raise ValueError(f"scale must be one of {', '.join(_SCALES)}, got {scale!r}")
+    def __init__(self, block: int | None = 32, scale: str = "l2"):
         if block is not None:
             _util.check_number("block", block, 1, integer=True)
-        self.scale, self.block = scale, block
+        if scale not in SCALES:
+            raise ValueError(f"scale must be one of {', '.join(SCALES)}, got {scale!r}")
+        self.block, self.scale = block, scale
 
     def compress(self, x: tf.Tensor, ctx: Context):
         """Returns `((packed bits, scales), (segments, dtype))`."""
-        layout = ctx.layout_of(x)
-        seg = (_util.Segments.of(layout) if self.block is None
-               else _util.Segments.chunks(layout, self.block))
+        seg = _util.blocks(ctx.layout_of(x), self.block)
+        ids = seg.index()
         wd = _util.work_dtype(x.dtype)
         v = tf.cast(x, wd)
         sizes = tf.constant(seg.sizes, wd)
-        if self.scale == "l1":
-            scale = seg.sum(tf.abs(v)) / sizes
+        if self.scale == "l2":
+            scale = tf.sqrt(seg.sum(tf.square(v), ids) / sizes)
         else:
-            scale = tf.sqrt(seg.sum(tf.square(v)) / sizes)
-        return (_util.pack(v >= 0, 1), scale + _util.poison(x, wd)), (seg, x.dtype)
+            scale = seg.sum(tf.abs(v), ids) / sizes
+        scale = tf.cast(scale + _util.poison(x, wd), _util.scale_dtype(x.dtype))
+        return (_util.pack(v >= 0, 1), scale), (seg, x.dtype)
 
     def decompress(self, payload: Sequence[tf.Tensor], meta) -> tf.Tensor:
         """scale * (+1 or -1), in the input dtype."""
         packed, scale = payload
         seg, dtype = meta
-        signs = tf.cast(2 * _util.unpack(packed, 1, seg.numel) - 1, scale.dtype)
-        return tf.cast(signs * seg.expand(scale), dtype)
+        wd = _util.work_dtype(dtype)
+        signs = tf.cast(2 * _util.unpack(packed, 1, seg.numel) - 1, wd)
+        return tf.cast(signs * seg.expand(tf.cast(scale, wd)), dtype)

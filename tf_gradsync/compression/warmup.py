@@ -1,0 +1,72 @@
+"""Dense warm-up: exact all-reduce for the first steps, then the wrapped compressor.
+
+References:
+  Lin et al., "Deep Gradient Compression", ICLR 2018 (warm-up training);
+  Tang et al., "1-bit Adam", ICML 2021 (an uncompressed warm-up stage);
+  PyTorch's `powerSGD_hook` (`start_powerSGD_iter`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import tensorflow as tf
+
+from tf_gradsync.compression import _util
+from tf_gradsync.compression.base import (SUM, Compressor, Context, Layout, Message, Rounds,
+                                          StateSpec, get)
+
+
+class Warmup(Compressor):
+    """All-reduces the bucket uncompressed for `steps` synchronisations, then runs `inner`.
+
+    The first steps of training move fastest and matter most; compressors that delay
+    part of the gradient (error feedback) or approximate it (low rank) do worst there.
+    During the warm-up the inner compressor's state is left untouched (residuals stay
+    zero), so it starts from a trained-in model with a clean memory. Mode 0 is the
+    dense round; modes 1.. are the inner compressor's.
+
+    Args:
+      inner: a `Compressor` or registered name (typically already wrapped in
+        `ErrorFeedback`).
+      steps: synchronisations sent dense, an integer >= 0.
+
+    Raises:
+      ValueError: for a `steps` that is not a non-negative integer.
+
+    Example:
+      >>> c = Warmup(ErrorFeedback("sign"), steps=100)
+    """
+
+    name = "warmup"
+
+    def __init__(self, inner: Compressor | str, steps: int):
+        _util.check_number("steps", steps, 0, integer=True)
+        self.inner, self.steps = get(inner), steps
+        for attr in ("summable", "unbiased", "prescale", "floating_only", "has_own_memory"):
+            setattr(self, attr, getattr(self.inner, attr))
+        self.default_error_feedback = False     # the inner one decides its own
+        self.num_modes = 1 + self.inner.num_modes
+
+    def state_spec(self, layout: Layout) -> dict[str, StateSpec]:
+        return self.inner.state_spec(layout)
+
+    def check_input(self, x: tf.Tensor) -> None:
+        self.inner.check_input(x)
+
+    def check_optimizer(self, optimizer) -> None:
+        self.inner.check_optimizer(optimizer)
+
+    def mode(self, ctx: Context) -> tf.Tensor:
+        """0 during the warm-up, then 1 + the inner compressor's mode."""
+        inner = self.inner.mode(ctx)
+        inner = tf.constant(0, tf.int32) if inner is None else tf.cast(inner, tf.int32)
+        return tf.where(tf.cast(ctx.step, tf.int64) < self.steps, 0, 1 + inner)
+
+    def rounds(self, x: tf.Tensor, ctx: Context) -> Rounds:
+        if ctx.mode == 0:
+            if ctx.errors is not None:
+                ctx.record_error(x, x)
+            (total,) = yield Message((x,), SUM)
+            return total
+        return (yield from self.inner.rounds(x, dataclasses.replace(ctx, mode=ctx.mode - 1)))
