@@ -103,6 +103,9 @@ def test_logged_bytes_match_stats_deltas_and_hand_computation(runs, compression)
     assert h["compression_ratio"] == [DENSE_BYTES / want] * 2
     assert h["comm_bytes_total"] == [4 * want, 8 * want]
     assert h["comm_bytes_total"][-1] == run.ops.stats()["bytes_sent"]
+    # The compression error of what was sent: 0 for none, float16 rounding for fp16.
+    assert all((e == 0) if compression == "none" else (0 < e < 1e-3) for e in h["comm_error"])
+    assert len(h["comm_error"]) == 2
     for key in ("step_time_ms", "step_time_p50_ms", "step_time_p90_ms", "samples_per_sec"):
         assert all(v > 0 for v in h[key]), key
     assert h["step_time_p50_ms"][1] <= h["step_time_p90_ms"][1]
@@ -140,6 +143,8 @@ def test_csv_jsonl_and_tensorboard_files(runs):
     assert scalars["batch/comm_bytes"] == [(s, DENSE_BYTES) for s in range(1, 9)]
     assert scalars["epoch/comm_bytes_total"] == [(0, 4 * DENSE_BYTES), (1, 8 * DENSE_BYTES)]
     assert len(scalars["batch/step_time_ms"]) == 7 and len(scalars["epoch/loss"]) == 2
+    assert scalars["batch/comm_error"] == [(s, 0.0) for s in range(1, 9)]
+    assert all(r["comm_error"] == 0.0 for r in rows)
 
 
 def test_nan_loss_does_not_crash(tmp_path):
