@@ -744,3 +744,37 @@ def test_adaptive_inner_and_error_feedback():
     ef = C.ErrorFeedback(C.get("adaptive", inner=C.get("randomk", scale=True)))
     assert all(not v.scale for v in ef.inner.variants)
     assert C.get("adaptive", min_ratio=0.05, max_ratio=0.05).num_modes == 1
+
+
+# ----------------------------------------------------------------- dense warm-up
+def test_warmup_sends_dense_then_the_inner_compressor():
+    c = C.Warmup(C.ErrorFeedback("sign"), steps=3)
+    assert (c.summable, c.unbiased, c.num_modes) == (False, False, 2)
+    states = [make_state(c, LAYOUT) for _ in range(2)]
+    for step in range(5):
+        xs = [rand(N, seed=10 * step + i, scales=SCALES) for i in range(2)]
+        out = reduce(c, xs, states, step=step, shapes=SHAPES)
+        assert int(c.mode(context(step=step))) == (step >= 3)
+        if step < 3:   # exact, and the residual is left alone
+            assert out.transports == ["sum"] and out.error == 0
+            np.testing.assert_allclose(out.results[0].numpy(), tf.add_n(xs).numpy(), rtol=1e-6)
+            assert not states[0]["residual"].numpy().any()
+        else:
+            assert out.transports == ["gather"] and out.error > 0
+            assert states[0]["residual"].numpy().any()
+    # Modes compose: a compressor with modes of its own keeps them after the warm-up.
+    d = C.Warmup(C.get("dgc", warmup_steps=10), steps=5)
+    assert d.num_modes == 1 + d.inner.num_modes
+    assert [int(d.mode(context(step=s))) for s in (0, 4, 5, 100)] == [
+        0, 0, 1 + int(d.inner.mode(context(step=5))), d.num_modes - 1]
+    with pytest.raises(ValueError, match="steps must be .*-1"):
+        C.Warmup("sign", steps=-1)
+
+
+def test_ops_warmup_steps():
+    ops = gs.CompressedAllReduce("topk", warmup_steps=50)
+    assert isinstance(ops.compressor, C.Warmup) and ops.compressor.steps == 50
+    assert isinstance(ops.compressor.inner, C.ErrorFeedback)
+    with pytest.raises(ValueError, match="warmup_steps must be a non-negative integer, got -3"):
+        gs.CompressedAllReduce("topk", warmup_steps=-3)
+    assert gs.SyncConfig(compression="sign", warmup_steps=7).build().compressor.steps == 7

@@ -155,3 +155,19 @@ def test_dgc_with_optimizer_momentum_fails_under_tf_keras():
                          text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "RAISED dgc applies momentum 0.9 itself" in out.stdout, out.stdout[-2000:]
+
+
+@pytest.mark.slow
+def test_custom_loop_example_trains_and_keeps_replicas_in_step(devices):
+    import custom_loop_digits
+    ops = gs.CompressedAllReduce("topk")
+    strategy = tf.distribute.MirroredStrategy(devices, cross_device_ops=ops)
+    accuracy, epochs = custom_loop_digits.train(strategy, ops, "cnn", 4, 64)
+    steps = 4 * (1437 // 64)
+    stats = ops.stats()
+    assert stats["steps"] == steps, "every step's gradients went through the ops"
+    assert len(epochs) == 4 and epochs[-1]["compression_ratio"] == pytest.approx(
+        stats["last_bytes_dense"] / stats["last_bytes_sent"])
+    assert 0 < epochs[-1]["comm_error"] < 1
+    assert epochs[-1]["loss"] < epochs[0]["loss"]
+    assert accuracy >= 0.9, accuracy

@@ -39,6 +39,7 @@ class SyncConfig:
     bucket_bytes: int = 32 * 2**20
     algorithm: str = "auto"
     timeout_seconds: float | None = None
+    warmup_steps: int = 0
 
     def __post_init__(self):
         if self.compression not in compression.names():
@@ -58,6 +59,9 @@ class SyncConfig:
                 or self.bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be a positive integer, got {self.bucket_bytes!r}")
         algorithms.validate(self.algorithm)
+        if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) \
+                or self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be a non-negative integer, got {self.warmup_steps!r}")
         if self.timeout_seconds is not None and not (
                 isinstance(self.timeout_seconds, (int, float))
                 and not isinstance(self.timeout_seconds, bool)
@@ -71,7 +75,8 @@ class SyncConfig:
         return CompressedAllReduce(
             compression.get(self.compression, **dict(self.compression_options)),
             error_feedback=self.error_feedback, bucket_bytes=self.bucket_bytes,
-            algorithm=self.algorithm, timeout_seconds=self.timeout_seconds)
+            algorithm=self.algorithm, timeout_seconds=self.timeout_seconds,
+            warmup_steps=self.warmup_steps)
 
 
 def parse_config(source: str | os.PathLike | Mapping[str, Any]) -> SyncConfig:

@@ -8,7 +8,7 @@ from typing import Sequence
 import tensorflow as tf
 
 from tf_gradsync import _tf_compat, algorithms
-from tf_gradsync.compression import Compressor, ErrorFeedback, get
+from tf_gradsync.compression import Compressor, ErrorFeedback, Warmup, get
 from tf_gradsync.pipeline import Pipeline, path_of
 from tf_gradsync.state import SyncState
 from tf_gradsync.stats import Stats
@@ -36,6 +36,8 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
         Compressors with their own memory (PowerSGD, DGC) refuse True.
       timeout_seconds: a collective whose peers do not arrive within this time fails
         instead of hanging (None: wait forever).
+      warmup_steps: all-reduce the first this many steps uncompressed (`Warmup`), then
+        compress; error-feedback residuals start at zero after the warm-up.
       measure_error: compute each step's relative compression error for `stats()`
         (`comm_error`); it costs a decode of each replica's own payload and two norms
         per bucket where the compressor does not compute them anyway.
@@ -55,8 +57,8 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
 
     def __init__(self, compression: str | Compressor = "none", *, bucket_bytes: int = 32 * 2**20,
                  algorithm: str = "auto", error_feedback: bool | None = None,
-                 timeout_seconds: float | None = None, measure_error: bool = True,
-                 name: str | None = None):
+                 timeout_seconds: float | None = None, warmup_steps: int = 0,
+                 measure_error: bool = True, name: str | None = None):
         if name is not None and not isinstance(name, str):
             raise ValueError(f"name must be a string or None, got {name!r}")
         tf.distribute.CrossDeviceOps.__init__(self)
@@ -71,6 +73,10 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
         if not isinstance(measure_error, bool):
             raise ValueError(f"measure_error must be True or False, got {measure_error!r}")
         self._compressor = _with_error_feedback(get(compression), error_feedback)
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be a non-negative integer, got {warmup_steps!r}")
+        if warmup_steps:
+            self._compressor = Warmup(self._compressor, warmup_steps)
         self._algorithm = algorithms.validate(algorithm)
         self._bucket_bytes = bucket_bytes
         # Every variable (compressor state, counters) lives in one tracked SyncState, so

@@ -78,8 +78,9 @@ def train_digits():
 
 
 def ops_from_spec(spec: str) -> gs.CompressedAllReduce:
-    """Builds ops from `name` or `name:key=value:...` (values parsed as YAML); the key
-    `error_feedback` goes to `CompressedAllReduce`, the others to the compressor.
+    """Builds ops from `name` or `name:key=value:...` (values parsed as YAML); the keys
+    `error_feedback` and `warmup_steps` go to `CompressedAllReduce`, the others to the
+    compressor.
 
     Raises:
       ValueError: for an unknown name, an argument without `=`, or arguments the
@@ -98,8 +99,9 @@ def ops_from_spec(spec: str) -> gs.CompressedAllReduce:
                              "expected name:key=value[:key=value...]")
         kwargs[key] = yaml.safe_load(value)
     error_feedback = kwargs.pop("error_feedback", None) if name != "powersgd" else None
+    warmup_steps = kwargs.pop("warmup_steps", 0)
     return gs.CompressedAllReduce(gs.compression.get(name, **kwargs),
-                                  error_feedback=error_feedback)
+                                  error_feedback=error_feedback, warmup_steps=warmup_steps)
 
 
 def time_to_target(accuracies: Sequence[float], seconds: Sequence[float],
@@ -125,29 +127,38 @@ def time_to_target(accuracies: Sequence[float], seconds: Sequence[float],
 
 
 class _Clock(tf.keras.callbacks.Callback):
-    """Cumulative training seconds at each epoch end (without the test passes), and the
-    compression error of every step."""
+    """Cumulative training seconds and test accuracy at each epoch end (the test pass
+    outside the timed span), and the compression error of every step.
 
-    def __init__(self, ops):
+    The test pass runs on `mirror`, a copy of the model outside the strategy that
+    takes the trained weights: one forward call on the test set, without a
+    distributed evaluation per epoch."""
+
+    def __init__(self, ops, mirror, x_test, y_test, every_epoch: bool):
         super().__init__()
-        self.ops = ops
+        self.ops, self.mirror, self.every_epoch = ops, mirror, every_epoch
+        self.x_test, self.y_test = x_test, y_test
 
     def on_train_begin(self, logs=None):
-        self.start, self.excluded, self.at_epoch, self.errors = time.perf_counter(), 0.0, [], []
+        self.start, self.excluded = time.perf_counter(), 0.0
+        self.at_epoch, self.accuracies, self.errors = [], [], []
 
     def on_train_batch_end(self, batch, logs=None):
         if self.ops is not None:
             self.errors.append(self.ops.stats()["comm_error"])
 
-    def on_test_begin(self, logs=None):
-        self.test_start = time.perf_counter()
-
-    def on_test_end(self, logs=None):
-        self.excluded += time.perf_counter() - self.test_start
-
     def on_epoch_end(self, epoch, logs=None):
-        # Validation runs before on_epoch_end, so its time is already excluded.
-        self.at_epoch.append(time.perf_counter() - self.start - self.excluded)
+        now = time.perf_counter()
+        self.at_epoch.append(now - self.start - self.excluded)
+        if self.every_epoch or epoch + 1 == self.params["epochs"]:
+            self.accuracies.append(self.test_accuracy())
+        self.excluded += time.perf_counter() - now
+
+    def test_accuracy(self) -> float:
+        self.mirror.set_weights(self.model.get_weights())
+        logits = self.mirror(self.x_test, training=False)
+        predicted = np.argmax(np.asarray(logits), axis=1)
+        return float(np.mean(predicted == self.y_test))
 
 
 def train_cell(model: str, recipe: str, mode: str, devices: Sequence[str], data,
@@ -181,11 +192,11 @@ def train_cell(model: str, recipe: str, mode: str, devices: Sequence[str], data,
         with strategy.scope():
             net = digits.build_model(
                 tf.keras, SEED, lambda k, m=momentum: digits.make_optimizer(k, name, lr, m), model)
-        clock = _Clock(ops)
+        mirror = digits.build_model(tf.keras, SEED, None, model)
+        clock = _Clock(ops, mirror, x_test, y_test, validate_every_epoch)
         try:
-            history = net.fit(x_train, y_train, epochs=epochs, batch_size=BATCH_SIZE,
-                              shuffle=False, callbacks=[clock], verbose=0,
-                              validation_data=(x_test, y_test) if validate_every_epoch else None)
+            net.fit(x_train, y_train, epochs=epochs, batch_size=BATCH_SIZE, shuffle=False,
+                    callbacks=[clock], verbose=0)
             break
         except ValueError as e:
             # A compressor that applies momentum itself refuses the optimizer's: the
@@ -193,11 +204,10 @@ def train_cell(model: str, recipe: str, mode: str, devices: Sequence[str], data,
             if attempt or not momentum or "momentum" not in str(e):
                 raise
             momentum, note = 0.0, "optimizer momentum 0 (the compressor applies momentum)"
+    accs = clock.accuracies
     if validate_every_epoch:
-        accs = [float(a) for a in history.history["val_accuracy"]]
         epochs_to, seconds_to = time_to_target(accs, clock.at_epoch, target)
     else:
-        accs = [float(net.evaluate(x_test, y_test, batch_size=BATCH_SIZE, verbose=0)[1])]
         epochs_to = seconds_to = None
     row = {"model": model, "optimizer": recipe, "setting": f"{model}/{recipe}", "mode": mode,
            "accuracy": accs[-1], "accuracies": accs, "epochs_to_target": epochs_to,

@@ -18,10 +18,11 @@ from tf_gradsync.compression.sign import Sign
 from tf_gradsync.compression.terngrad import TernGrad
 from tf_gradsync.compression.threshold import Threshold
 from tf_gradsync.compression.topk import TopK
+from tf_gradsync.compression.warmup import Warmup
 
 __all__ = [
     "Adaptive", "BFloat16", "Compressor", "Context", "DGC", "ErrorFeedback", "Float16", "GATHER",
     "Int8", "Layout", "Message", "NoCompression", "OneBit", "PowerSGD", "QSGD", "RandomK", "SUM",
-    "Sign", "StateSpec", "TernGrad", "Threshold", "TopK", "driver", "get", "names", "nbytes",
+    "Sign", "StateSpec", "TernGrad", "Threshold", "TopK", "Warmup", "driver", "get", "names", "nbytes",
     "register",
 ]

@@ -17,6 +17,7 @@ import tensorflow as tf
 from tf_gradsync.compression import _util
 from tf_gradsync.compression.base import (SUM, Compressor, Context, Layout, Message, Rounds,
                                           StateSpec, register)
+from tf_gradsync.compression.warmup import dense_round
 
 _Q_SEED = (0x5067, 0x5347)   # fixed: the initial Q is the same on every replica
 
@@ -151,10 +152,7 @@ class PowerSGD(Compressor):
         layout = ctx.layout_of(x)
         plan = self.plan(layout)
         if not plan.matrices or (self.num_modes == 2 and ctx.mode == 0):
-            if ctx.errors is not None:
-                ctx.record_error(x, x)
-            (total,) = yield Message((x,), SUM)
-            return total
+            return (yield from dense_round(x, ctx))
         return (yield from self._low_rank(x, ctx, layout, plan))
 
     def _low_rank(self, x: tf.Tensor, ctx: Context, layout: Layout, plan: _Plan) -> Rounds:

@@ -65,8 +65,13 @@ class Warmup(Compressor):
 
     def rounds(self, x: tf.Tensor, ctx: Context) -> Rounds:
         if ctx.mode == 0:
-            if ctx.errors is not None:
-                ctx.record_error(x, x)
-            (total,) = yield Message((x,), SUM)
-            return total
+            return (yield from dense_round(x, ctx))
         return (yield from self.inner.rounds(x, dataclasses.replace(ctx, mode=ctx.mode - 1)))
+
+
+def dense_round(x: tf.Tensor, ctx: Context) -> Rounds:
+    """One exact summed round of the whole bucket (its compression error is zero)."""
+    if ctx.errors is not None:
+        ctx.record_error(x, x)
+    (total,) = yield Message((x,), SUM)
+    return total
