@@ -18,6 +18,10 @@ launcher resumes from it:
 
 `--die_at_step=N` makes worker 1 exit abruptly after its N-th training step (counted
 from 0 across epochs) in the first attempt only, to show the restart.
+
+On a cluster: `examples/k8s/tfjob.yaml` runs it as a Kubeflow TFJob (the operator sets
+TF_CONFIG), and `examples/slurm/digits.sbatch` under Slurm (`--cluster=slurm`: the
+cluster comes from Slurm's variables).
 """
 
 from __future__ import annotations
@@ -43,6 +47,10 @@ flags.DEFINE_integer("die_at_step", -1, "Worker 1 exits with code 3 after this t
 flags.DEFINE_string("backup_dir", None, "Directory for Keras BackupAndRestore (--loop=fit): "
                     "a restarted job resumes from it.")
 flags.DEFINE_string("backup_freq", "epoch", "When to back up: 'epoch' or every N steps.")
+flags.DEFINE_enum("cluster", "tf_config", ["tf_config", "slurm"],
+                  "Where the cluster comes from: the TF_CONFIG variable (the launcher, "
+                  "Kubeflow's TFJob) or Slurm's variables (SlurmClusterResolver, under srun).")
+flags.DEFINE_integer("port_base", 8888, "--cluster=slurm: the first port of the tasks of a node.")
 FLAGS = flags.FLAGS
 
 
@@ -75,7 +83,18 @@ def main(argv):
             gs.compression.get(FLAGS.compression, **json.loads(FLAGS.compression_options)),
             timeout_seconds=FLAGS.timeout)
     options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=FLAGS.timeout)
-    strategy = gs.MultiWorkerMirroredStrategy(cross_device_ops=ops, communication_options=options)
+    resolver = None
+    if FLAGS.cluster == "slurm":
+        # Hosts, ranks and ports from Slurm's variables (SLURM_PROCID, the step's node
+        # list and tasks per node); each task of a node gets port_base + its local index.
+        gpus = len(tf.config.list_physical_devices("GPU"))
+        # The resolver pairs each task of a node with GPU slots and cannot count zero
+        # GPUs; on CPU-only nodes every task gets an empty slot (nothing made visible).
+        resolver = tf.distribute.cluster_resolver.SlurmClusterResolver(
+            port_base=FLAGS.port_base, gpus_per_node=gpus or 1 << 16,
+            gpus_per_task=None if gpus else 1, auto_set_gpu=gpus > 0)
+    strategy = gs.MultiWorkerMirroredStrategy(cross_device_ops=ops, cluster_resolver=resolver,
+                                              communication_options=options)
     rank = strategy.cluster_resolver.task_id or 0
     keras = tf.keras
     x_train, x_test, y_train, y_test = train_digits.load_data(0)
