@@ -10,9 +10,10 @@ setup(
     python_requires=">=3.9",
     install_requires=["tensorflow>=2.16", "numpy", "absl-py", "pyyaml"],
     extras_require={
-        "test": ["pytest", "scikit-learn", "tf_keras", "hypothesis", "matplotlib"],
+        "test": ["pytest", "scikit-learn", "tf_keras", "hypothesis", "matplotlib", "tensorboard"],
         "examples": ["scikit-learn"],
         "report": ["matplotlib"],
+        "tensorboard": ["tensorboard"],   # CommunicationMonitor(tensorboard_dir=...)
         "bench": ["matplotlib", "scikit-learn"],   # --png; the accuracy suite
     },
 )

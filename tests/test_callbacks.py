@@ -1,7 +1,6 @@
 """CommunicationMonitor, StepMonitor and the report CLI."""
 
 import csv
-import glob
 import json
 import os
 import subprocess
@@ -134,17 +133,30 @@ def test_csv_jsonl_and_tensorboard_files(runs):
     assert [float(r["comm_bytes"]) for r in table] == [DENSE_BYTES] * 10
     assert float(table[-1]["loss"]) == pytest.approx(epoch["loss"])
 
-    scalars = {}
-    for path in glob.glob(os.path.join(files["tensorboard_dir"], "*")):
-        for event in tf.compat.v1.train.summary_iterator(path):
-            for v in event.summary.value:
-                assert v.metadata.plugin_data.plugin_name == "scalars"
-                scalars.setdefault(v.tag, []).append((event.step, float(tf.make_ndarray(v.tensor))))
+    # Read back the way TensorBoard itself reads them.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(files["tensorboard_dir"], size_guidance={"tensors": 0})
+    events.Reload()
+    scalars = {tag: [(e.step, float(tf.make_ndarray(e.tensor_proto))) for e in events.Tensors(tag)]
+               for tag in events.Tags()["tensors"]}
+    assert all(events.SummaryMetadata(tag).plugin_data.plugin_name == "scalars"
+               for tag in scalars)
+    for key in ("comm_bytes", "compression_ratio", "step_time_ms", "comm_error"):
+        assert f"batch/{key}" in scalars and f"epoch/{key}" in scalars, key
     assert scalars["batch/comm_bytes"] == [(s, DENSE_BYTES) for s in range(1, 9)]
     assert scalars["epoch/comm_bytes_total"] == [(0, 4 * DENSE_BYTES), (1, 8 * DENSE_BYTES)]
     assert len(scalars["batch/step_time_ms"]) == 7 and len(scalars["epoch/loss"]) == 2
     assert scalars["batch/comm_error"] == [(s, 0.0) for s in range(1, 9)]
     assert all(r["comm_error"] == 0.0 for r in rows)
+
+
+def test_log_keys_choose_what_reaches_the_progress_bar(tmp_path):
+    path = tmp_path / "keys.jsonl"
+    keys = ("comm_bytes", "comm_bytes_dense", "comm_error")
+    run = _fit("fp16", {"jsonl_path": str(path), "log_keys": keys}, epochs=1)
+    assert set(keys) <= set(run.history)
+    assert not {"compression_ratio", "step_time_ms", "comm_bytes_total"} & set(run.history)
+    assert all("compression_ratio" in r for r in _jsonl(path))   # files keep every key
 
 
 def test_nan_loss_does_not_crash(tmp_path):

@@ -130,6 +130,8 @@ CASES = [
          lambda: gs.MultiWorkerMirroredStrategy(communication_options={"timeout_seconds": 5}),
          "{'timeout_seconds': 5}", "CommunicationOptions or None"),
     # ------------------------------------------------------------ callbacks
+    case("monitor-log-keys", lambda: CommunicationMonitor(OPS, log_keys=["bytes", "comm_bytes"]),
+         "['bytes']", "comm_bytes, comm_bytes_dense"),
     case("monitor-batch-zero", lambda: CommunicationMonitor(OPS, batch_size=0),
          "got 0", "positive integer or None"),
     case("monitor-batch-str", lambda: CommunicationMonitor(OPS, batch_size="64"),

@@ -14,7 +14,6 @@ from tf_gradsync.callbacks import _common
 _BATCH_KEYS = ("comm_bytes", "comm_bytes_dense", "compression_ratio", "comm_error",
                "step_time_ms", "samples_per_sec")
 _EPOCH_KEYS = _BATCH_KEYS + ("comm_bytes_total", "step_time_p50_ms", "step_time_p90_ms")
-_HAVE_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None
 
 
 class CommunicationMonitor(tf.keras.callbacks.Callback):
@@ -65,11 +64,15 @@ class CommunicationMonitor(tf.keras.callbacks.Callback):
       jsonl_path: JSON-lines file to write (what `python -m tf_gradsync.report`
         reads), or None.
       batch_size: global batch size, for `samples_per_sec`.
+      log_keys: which of the keys above go into Keras's `logs` (and so the progress bar
+        and `History`); None: all. Files get every key regardless.
 
     Raises:
       ValueError: if `ops_or_strategy` is neither a `CompressedAllReduce` nor a
         strategy using one, a path is neither None nor a non-empty path, or
-        `batch_size` is neither None nor a positive integer.
+        `batch_size` is neither None nor a positive integer, or `log_keys` names an
+        unknown key.
+      ImportError: for a `tensorboard_dir` without the tensorboard package.
 
     Example:
       >>> ops = tf_gradsync.CompressedAllReduce("fp16")
@@ -81,12 +84,22 @@ class CommunicationMonitor(tf.keras.callbacks.Callback):
 
     def __init__(self, ops_or_strategy, csv_path: str | None = None,
                  tensorboard_dir: str | None = None, jsonl_path: str | None = None,
-                 batch_size: int | None = None):
+                 batch_size: int | None = None, log_keys=None):
         super().__init__()
         who = "CommunicationMonitor"
+        if log_keys is not None:
+            unknown = sorted(set(log_keys) - set(_EPOCH_KEYS)) if not isinstance(
+                log_keys, str) else [log_keys]
+            if unknown:
+                raise ValueError(f"{who}: unknown log_keys {unknown}; valid keys: "
+                                 f"{', '.join(_EPOCH_KEYS)}")
+        self.log_keys = set(_EPOCH_KEYS if log_keys is None else log_keys)
         self.ops, self.strategy = _common.resolve(ops_or_strategy, who)
         self.csv_path = _common.check_path("csv_path", csv_path, who)
         self.tensorboard_dir = _common.check_path("tensorboard_dir", tensorboard_dir, who)
+        if tensorboard_dir and importlib.util.find_spec("tensorboard") is None:
+            raise ImportError(f"{who}: tensorboard_dir={tensorboard_dir!r} needs the tensorboard "
+                              "package: pip install tensorboard")
         self.jsonl_path = _common.check_path("jsonl_path", jsonl_path, who)
         self.batch_size = _common.check_batch_size(batch_size, who)
         self.is_chief = True
@@ -124,14 +137,15 @@ class CommunicationMonitor(tf.keras.callbacks.Callback):
                                   batch - self._batch_begin + 1, self._known_batch_size(logs))
         self._warm = True
         self._records.append(rec)
-        logs.update({k: rec[k] for k in _BATCH_KEYS if rec[k] is not None})
+        logs.update({k: rec[k] for k in _BATCH_KEYS if rec[k] is not None and k in self.log_keys})
         self._write("batch", rec, logs)
 
     def on_epoch_end(self, epoch, logs=None):
         logs = {} if logs is None else logs
         rec = _common.summarise(self._records, self._meter.total_sent())
         known = self._records and self._records[-1]["samples_per_sec"] is not None
-        logs.update({k: rec[k] for k in _EPOCH_KEYS if k != "samples_per_sec" or known})
+        logs.update({k: rec[k] for k in _EPOCH_KEYS
+                     if (k != "samples_per_sec" or known) and k in self.log_keys})
         rec["step"] = self._meter.step
         self._write("epoch", rec, logs)
         for f in (self._csv_file, self._jsonl):
@@ -168,18 +182,7 @@ class CommunicationMonitor(tf.keras.callbacks.Callback):
                 for key in ("loss",) + (_BATCH_KEYS if kind == "batch" else _EPOCH_KEYS):
                     value = _common.scalar(row.get(key))
                     if value is not None:
-                        _summary_scalar(f"{kind}/{key}", value, step)
-
-
-def _summary_scalar(name: str, value: float, step: int) -> None:
-    """`tf.summary.scalar`; without the tensorboard package, the same event written directly."""
-    if _HAVE_TENSORBOARD:
-        tf.summary.scalar(name, value, step=step)
-        return
-    from tensorflow.core.framework import summary_pb2  # pylint: disable=import-outside-toplevel
-    metadata = summary_pb2.SummaryMetadata(
-        plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="scalars"))
-    tf.summary.write(name, tf.constant(value, tf.float32), step=step, metadata=metadata)
+                        tf.summary.scalar(f"{kind}/{key}", value, step=step)
 
 
 def _parent_made(path: str) -> str:
