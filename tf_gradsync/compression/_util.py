@@ -327,22 +327,32 @@ def top_per_segment(mag: tf.Tensor, seg: Segments, ks, large=None):
     return idx, tf.concat(valid, 0)
 
 
-def random_per_segment(seed: tf.Tensor, seg: Segments, ks) -> tf.Tensor:
-    """`ks[t]` distinct indices of each segment, drawn uniformly from a seeded
-    permutation of the segment (a different one per segment), in O(sum(ks)).
+def random_per_segment(seed: tf.Tensor, seg: Segments, ks, step: tf.Tensor | None = None
+                       ) -> tf.Tensor:
+    """`ks[t]` distinct indices of each segment, from a seeded permutation of the segment
+    (a different one per segment), in O(sum(ks)).
+
+    Without `step`, each call draws from the permutation of `seed`. With `step`
+    (cyclic), segment t walks through one permutation in ceil(size / k) steps, k
+    entries a step, so every entry comes up once per cycle; each cycle draws a new
+    permutation (the cycle's index replaces the step in `seed`).
 
     Returns:
       int32 [sum(ks)] bucket indices; the same for the same seed on every device.
     """
-    if seg.count == 1:
-        k, n = ks[0], seg.sizes[0]
-        if k == n:
-            return tf.range(n, dtype=tf.int32)
-        return tf.random.experimental.index_shuffle(tf.range(k), seed, n - 1)
+    seed = tf.cast(seed, tf.int64)
     owner = np.concatenate([np.full(k, t) for t, k in enumerate(ks)])
-    local = np.concatenate([np.arange(k) for k in ks]).astype(np.int32)
-    top = np.concatenate([np.full(k, s - 1) for k, s in zip(ks, seg.sizes)]).astype(np.int32)
-    seeds = tf.concat([tf.constant(owner[:, None], tf.int64),
-                       tf.broadcast_to(tf.cast(seed, tf.int64), [len(owner), 2])], 1)
-    pos = _tf_compat.index_shuffle(tf.constant(local), seeds, tf.constant(top))
+    local = np.concatenate([np.arange(k) for k in ks]).astype(np.int64)
+    size = np.asarray(seg.sizes, np.int64)[owner]
+    if step is None:
+        first, index = tf.broadcast_to(seed[0], [len(owner)]), tf.constant(local)
+    else:
+        cycle = np.asarray([-(-s // k) for k, s in zip(ks, seg.sizes)], np.int64)[owner]
+        step = tf.cast(step, tf.int64)
+        first = step // cycle
+        index = ((step % cycle) * tf.constant(np.asarray(ks, np.int64)[owner]) + local) % size
+    seeds = tf.stack([tf.constant(owner, tf.int64), first,
+                      tf.broadcast_to(seed[1], [len(owner)])], 1)
+    pos = _tf_compat.index_shuffle(tf.cast(index, tf.int32), seeds,
+                                   tf.constant(size - 1, tf.int32))
     return pos + tf.constant(np.asarray(seg.offsets, np.int32)[owner])

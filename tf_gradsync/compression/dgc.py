@@ -142,7 +142,10 @@ class DGC(Compressor):
 def _optimizer_momentum(optimizer: Any) -> float:
     """The heavy-ball momentum an optimizer applies (0 when none, or unknown)."""
     try:
-        config = optimizer.get_config()
+        # Read eagerly: the check runs while a step is traced, and the config reads
+        # the optimizer's variables (the learning rate).
+        with tf.init_scope():
+            config = optimizer.get_config()
     except Exception:  # pylint: disable=broad-except
         return 0.0
     momentum = config.get("momentum", 0.0)

@@ -51,32 +51,34 @@ class RandomK(Compressor):
 
     summable = True
 
-    def __init__(self, ratio: float = 0.01, scale: bool = False):
+    def __init__(self, ratio: float = 0.01, scale: bool = False, cyclic: bool = False):
         _util.check_number("ratio", ratio, 0, 1, low_open=True)
-        if not isinstance(scale, bool):
-            raise ValueError(f"scale must be a bool (True or False), got {scale!r}")
-        self.ratio, self.scale = ratio, scale
+        for name, value in (("scale", scale), ("cyclic", cyclic)):
+            if not isinstance(value, bool):
+                raise ValueError(f"{name} must be a bool (True or False), got {value!r}")
+        self.ratio, self.scale, self.cyclic = ratio, scale, cyclic
         self.unbiased = scale
 
     def for_error_feedback(self) -> "RandomK":
         """The unscaled (biased, contractive) form, for use under error feedback."""
-        return RandomK(self.ratio, scale=False) if self.scale else self
+        return RandomK(self.ratio, scale=False, cyclic=self.cyclic) if self.scale else self
 
     def compress(self, x: tf.Tensor, ctx: Context):
         """Returns `((values,), (segments, ks, dtype, seed))`."""
         seg = _util.Segments.of(ctx.layout_of(x))
         ks = _util.counts(self.ratio, seg)
         seed = tf.convert_to_tensor(ctx.seed, tf.int64)
-        values = tf.gather(x, _util.random_per_segment(seed, seg, ks))
-        return (values + tf.cast(_util.poison(x), x.dtype),), (seg, ks, x.dtype, seed)
+        step = tf.convert_to_tensor(ctx.step, tf.int64) if self.cyclic else None
+        values = tf.gather(x, _util.random_per_segment(seed, seg, ks, step))
+        return (values + tf.cast(_util.poison(x), x.dtype),), (seg, ks, x.dtype, seed, step)
 
     def decompress(self, payload: Sequence[tf.Tensor], meta) -> tf.Tensor:
         """Scatters the (summed) values to the seeded coordinates, times size / k if `scale`."""
-        seg, ks, dtype, seed = meta
+        seg, ks, dtype, seed, step = meta
         wd = _util.work_dtype(dtype)
         values = tf.cast(payload[0], wd)
         if self.scale:
             factor = np.concatenate([np.full(k, s / k) for k, s in zip(ks, seg.sizes)])
             values *= tf.constant(factor, wd)
-        return tf.cast(_util.scatter(values, _util.random_per_segment(seed, seg, ks),
+        return tf.cast(_util.scatter(values, _util.random_per_segment(seed, seg, ks, step),
                                      seg.numel, wd), dtype)
