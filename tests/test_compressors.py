@@ -299,6 +299,27 @@ def test_randomk_per_tensor_shared_coordinates():
     assert set(np.flatnonzero(a)) != set(np.flatnonzero(b))
 
 
+def test_randomk_cyclic_covers_every_entry_once_per_cycle():
+    c = C.get("randomk", ratio=0.1, cyclic=True)
+    x = rand(N, scales=SCALES)
+    sent = []
+    for step in range(12):
+        y = roundtrip(c, x, step=step, seed=(step, 9), shapes=SHAPES).numpy()
+        np.testing.assert_array_equal(y[y != 0], x.numpy()[y != 0])   # kept as they are
+        sent.append(y != 0)
+    for o, s in zip(LAYOUT.offsets, LAYOUT.sizes):
+        if not s:
+            continue
+        k = max(1, math.ceil(0.1 * s))
+        cycle = math.ceil(s / k)                      # 9, 4, 10, 10, 1 steps
+        covered = np.any([m[o:o + s] for m in sent[:cycle]], axis=0)
+        assert covered.all(), (s, cycle)
+        # Within a cycle each step brings k entries, new ones until the last step.
+        assert sum(int(m[o:o + s].sum()) for m in sent[:cycle]) == cycle * k
+    # A new cycle draws a new order: the 72-entry kernel's first step of cycle 2.
+    assert not np.array_equal(sent[0][:72], sent[9][:72])
+
+
 # ----------------------------------------------------------------- DGC
 def test_dgc_reference_three_steps():
     ratio, m = 0.1, 0.9
@@ -421,7 +442,7 @@ def test_error_feedback_rejects_own_memory(inner):
 # ----------------------------------------------------------------- sizes and arguments
 EXPECTED_BYTES = {  # one flat tensor of 1000 float32 (dense: 4000 bytes)
     "none": 4000, "fp16": 2000, "bf16": 2000, "int8": 1004, "qsgd": 1008, "terngrad": 254,
-    "sign": 189, "onebit": 253, "topk": 80, "threshold": 80, "randomk": 40, "dgc": 8,
+    "sign": 189, "onebit": 253, "topk": 80, "threshold": 80, "randomk": 2000, "dgc": 80,
     "adaptive": 800,    # starts critical: max_ratio = 10%
     "powersgd": 4000,   # a vector is sent as it is
 }
@@ -445,7 +466,7 @@ def test_payload_bytes_per_tensor_statistics():
             "onebit": math.ceil(N / 8) + 4 * blocks, "terngrad": math.ceil(N / 4) + 4 * t,
             "qsgd": N + 4 * sum(math.ceil(s / 512) for s in sizes),
             "topk": 8 * sum(max(1, math.ceil(0.01 * s)) for s in sizes),
-            "randomk": 4 * sum(max(1, math.ceil(0.01 * s)) for s in sizes)}
+            "randomk": 4 * sum(max(1, math.ceil(0.5 * s)) for s in sizes)}
     for name, nbytes in want.items():
         out = reduce(C.get(name), [rand(N)], shapes=SHAPES)
         assert sum(C.nbytes(p) for p in out.payloads) == nbytes, name
@@ -464,7 +485,7 @@ def test_payload_bytes_per_tensor_statistics():
     ("powersgd", {"min_compression_rate": 0.5}, "0.5"), ("powersgd", {"warm_start": 1}, "1"),
     ("powersgd", {"error_feedback": "no"}, "'no'"), ("sign", {"block": 0}, "0"),
     ("onebit", {"block": 2.5}, "2.5"),
-    ("randomk", {"scale": 1}, "1"),
+    ("randomk", {"scale": 1}, "1"), ("randomk", {"cyclic": "yes"}, "'yes'"),
     ("adaptive", {"min_ratio": 0}, "0"), ("adaptive", {"min_ratio": 1.5}, "1.5"),
     ("adaptive", {"min_ratio": 0.2, "max_ratio": 0.1}, "0.1"), ("adaptive", {"max_ratio": 2}, "2"),
     ("adaptive", {"threshold": 0}, "0"), ("adaptive", {"interval": 0}, "0"),
