@@ -15,7 +15,7 @@ compression error the ops report.
 Recipes (learning rates where uncompressed training works on all three models):
   adam  Adam, learning rate 1e-3
   sgdm  SGD, learning rate 0.05, momentum 0.9
-  sgd   SGD, learning rate 0.05, no momentum
+  sgd   SGD, learning rate 0.2, no momentum
 
 A compressor that applies momentum itself (dgc) refuses an optimizer with momentum
 before the first step; its `sgdm` cell then runs the recipe with the momentum moved
@@ -52,7 +52,7 @@ BATCH_SIZE = 64
 SEED = 0
 NOT_REACHED = "not reached"
 #: Recipe -> (optimizer, learning rate, momentum).
-RECIPES = {"adam": ("adam", 1e-3, 0.0), "sgdm": ("sgd", 0.05, 0.9), "sgd": ("sgd", 0.05, 0.0)}
+RECIPES = {"adam": ("adam", 1e-3, 0.0), "sgdm": ("sgd", 0.05, 0.9), "sgd": ("sgd", 0.2, 0.0)}
 COLUMNS = ["model", "optimizer", "mode", "accuracy", "vs_none_pts", "vs_stock_pts",
            "epochs_to_target", "seconds_to_target", "ratio", "comm_error", "note"]
 PLOT = ("mode", "vs_none_pts", "test accuracy - none's (points)", "setting")
