@@ -29,6 +29,7 @@ off), and "stock".
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import sys
 import time
@@ -245,6 +246,8 @@ def compare(modes: Sequence[str], devices: Sequence[str], epochs: int, target: f
             for mode in modes:
                 print(f"[bench] accuracy {model} {recipe} {mode}", file=sys.stderr, flush=True)
                 cell.append(train_cell(model, recipe, mode, devices, data, epochs, target))
+                # Each cell as it ends: a long matrix keeps what it has measured.
+                print("[bench] row " + json.dumps(cell[-1]), file=sys.stderr, flush=True)
             ref = {r["mode"]: r["accuracy"] for r in cell if r["mode"] in ("stock", "none")}
             for r in cell:
                 for col, base in (("vs_stock_pts", "stock"), ("vs_none_pts", "none")):
