@@ -98,15 +98,16 @@ def test_single_host_tiny_run(tmp_path):
 
 
 def test_time_to_target():
+    from tf_gradsync import bench
     from tf_gradsync.bench import accuracy
     assert accuracy.time_to_target([0.5, 0.95, 0.97], [2.0, 3.0, 4.0], 0.95) == (2, 3.0)
     assert accuracy.time_to_target([0.5, 0.9], [2.0, 3.0], 0.95) == ("not reached",) * 2
-    assert accuracy.ops_from_spec("topk:ratio=0.25").compressor.inner.ratio == 0.25
-    plain = accuracy.ops_from_spec("sign:error_feedback=false:block=8").compressor
+    assert bench.ops_from_spec("topk:ratio=0.25").compressor.inner.ratio == 0.25
+    plain = bench.ops_from_spec("sign:error_feedback=false:block=8").compressor
     assert plain.name == "sign" and plain.block == 8
-    assert not accuracy.ops_from_spec("powersgd:error_feedback=false").compressor.error_feedback
+    assert not bench.ops_from_spec("powersgd:error_feedback=false").compressor.error_feedback
     with pytest.raises(ValueError, match="rank16"):
-        accuracy.ops_from_spec("powersgd:rank16")
+        bench.ops_from_spec("powersgd:rank16")
 
 
 def test_accuracy_tiny_run(devices):

@@ -1,1 +1,38 @@
 """Benchmarks: `python -m tf_gradsync.bench <suite>` (see `__main__.py`)."""
+
+from __future__ import annotations
+
+
+def ops_from_spec(spec: str, **ops_kwargs):
+    """Builds a `CompressedAllReduce` from `name` or `name:key=value:...` (values parsed as
+    YAML); the keys `error_feedback` and `warmup_steps` go to `CompressedAllReduce`, the
+    others to the compressor (e.g. `powersgd:rank=8:start_iter=0`).
+
+    Args:
+      spec: the compressor and its arguments.
+      **ops_kwargs: further arguments of `CompressedAllReduce` (e.g. `timeout_seconds`).
+
+    Raises:
+      ValueError: for an unknown name, an argument without `=`, or arguments the
+        compressor rejects.
+
+    Example:
+      >>> ops_from_spec("sign:error_feedback=false").compressor.name
+      'sign'
+    """
+    import yaml  # pylint: disable=import-outside-toplevel
+    import tf_gradsync as gs  # pylint: disable=import-outside-toplevel
+    name, *args = spec.split(":")
+    kwargs = {}
+    for arg in args:
+        key, eq, value = arg.partition("=")
+        if not eq or not key:
+            raise ValueError(f"bad compressor argument {arg!r} in {spec!r}; "
+                             "expected name:key=value[:key=value...]")
+        kwargs[key] = yaml.safe_load(value)
+    # PowerSGD's own error_feedback argument belongs to the compressor.
+    error_feedback = kwargs.pop("error_feedback", None) if name != "powersgd" else None
+    warmup_steps = kwargs.pop("warmup_steps", 0)
+    return gs.CompressedAllReduce(gs.compression.get(name, **kwargs),
+                                  error_feedback=error_feedback, warmup_steps=warmup_steps,
+                                  **ops_kwargs)

@@ -37,10 +37,10 @@ from typing import Sequence
 
 import numpy as np
 import tensorflow as tf
-import yaml
 from absl import flags
 
 import tf_gradsync as gs
+from tf_gradsync.bench import ops_from_spec
 
 flags.DEFINE_integer("accuracy_epochs", 15, "accuracy: training epochs.")
 flags.DEFINE_float("target_accuracy", 0.95, "accuracy: test accuracy for time-to-accuracy.")
@@ -76,33 +76,6 @@ def train_digits():
     spec.loader.exec_module(module)
     sys.modules["train_digits"] = module
     return module
-
-
-def ops_from_spec(spec: str) -> gs.CompressedAllReduce:
-    """Builds ops from `name` or `name:key=value:...` (values parsed as YAML); the keys
-    `error_feedback` and `warmup_steps` go to `CompressedAllReduce`, the others to the
-    compressor.
-
-    Raises:
-      ValueError: for an unknown name, an argument without `=`, or arguments the
-        compressor rejects.
-
-    Example:
-      >>> ops_from_spec("sign:error_feedback=false").compressor.name
-      'sign'
-    """
-    name, *args = spec.split(":")
-    kwargs = {}
-    for arg in args:
-        key, eq, value = arg.partition("=")
-        if not eq or not key:
-            raise ValueError(f"bad compressor argument {arg!r} in {spec!r}; "
-                             "expected name:key=value[:key=value...]")
-        kwargs[key] = yaml.safe_load(value)
-    error_feedback = kwargs.pop("error_feedback", None) if name != "powersgd" else None
-    warmup_steps = kwargs.pop("warmup_steps", 0)
-    return gs.CompressedAllReduce(gs.compression.get(name, **kwargs),
-                                  error_feedback=error_feedback, warmup_steps=warmup_steps)
 
 
 def time_to_target(accuracies: Sequence[float], seconds: Sequence[float],

@@ -24,8 +24,8 @@ from typing import Sequence
 
 from absl import flags
 
-from tf_gradsync import compression, launch
-from tf_gradsync.bench import multiworker, netns  # noqa: F401  (multiworker: --params, --steps)
+from tf_gradsync import launch
+from tf_gradsync.bench import multiworker, netns, ops_from_spec  # noqa: F401  (multiworker: flags)
 
 flags.DEFINE_list("cluster_workers", ["2", "4"], "cluster: worker counts.")
 flags.DEFINE_list("rate", ["1gbit"], "cluster: link rates, tc style (100mbit, 1gbit, 10gbit).")
@@ -33,7 +33,8 @@ flags.DEFINE_string("delay", None, "cluster: one-way latency added to each link 
 flags.DEFINE_integer("cluster_timeout", 900, "cluster: seconds one run may take.")
 FLAGS = flags.FLAGS
 
-DEFAULT_COMPRESSORS = ("none", "fp16", "int8", "sign", "topk", "powersgd")
+#: PowerSGD without its dense warm-up: the few timed steps measure its steady state.
+DEFAULT_COMPRESSORS = ("none", "fp16", "int8", "sign", "topk", "powersgd:start_iter=0")
 PLOT = ("mode", "speedup", "speed-up vs stock MWMS", "setup")
 COLUMNS = ["setup", "workers", "rate", "mode", "step_s", "speedup", "vs_compute", "stats_bytes",
            "wire_bytes", "wire_vs_stats", "ring_bound", "wire_vs_bound", "cores", "load"]
@@ -113,7 +114,8 @@ def measure(n: int, rate: str, modes: Sequence[str], params: int, steps: int,
                 payload = ranks[0]["payload_bytes"]
                 # Summable payloads: a ring all-reduce; others: a ring all-gather.
                 row["ring_bound"] = (2 * (n - 1) * payload // n
-                                     if compression.get(mode).summable else (n - 1) * payload)
+                                     if ops_from_spec(mode).compressor.summable
+                                     else (n - 1) * payload)
                 row["wire_vs_stats"] = row["wire_bytes"] / max(row["stats_bytes"], 1)
             if "ring_bound" in row:
                 row["wire_vs_bound"] = row["wire_bytes"] / max(row["ring_bound"], 1)
@@ -172,9 +174,9 @@ def _validate() -> tuple[list[int], list[str], list[str]]:
             netns.parse_rate(r)
         except ValueError as e:
             raise ValueError(f"--rate: {e}") from None
-    modes = list(FLAGS.compressors or [c for c in DEFAULT_COMPRESSORS if c in compression.names()])
+    modes = list(FLAGS.compressors or DEFAULT_COMPRESSORS)
     for m in modes:
-        compression.get(m)   # ValueError naming the valid compressors
+        ops_from_spec(m)   # ValueError naming the valid compressors
     if FLAGS.params < 1 or FLAGS.steps < 1:
         raise ValueError(f"--params and --steps must be >= 1, got {FLAGS.params}, {FLAGS.steps}")
     netns.check_privileges()

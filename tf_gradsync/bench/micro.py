@@ -20,11 +20,10 @@ FLAGS = flags.FLAGS
 PLOT = ("compressor", "gb_per_s", "GB/s of float32 input", "numel")
 
 
-def roundtrip_fn(compressor, numel: int):
-    """A tf.function running one compress+decompress of an `numel` bucket (one replica,
-    every round through the protocol driver); it returns the result and the payload
-    bytes sent."""
-    layout = compression.Layout((matrix_shape(numel),))
+def roundtrip_fn(compressor, layout: compression.Layout):
+    """A tf.function running one compress+decompress of a bucket laid out as `layout`
+    (one replica, every round through the protocol driver); it returns the result and
+    the payload bytes sent."""
     state = {name: _tf_compat.plain_variable(lambda s=spec: s.initializer(s.shape, s.dtype),
                                              name=name)
              for name, spec in compressor.state_spec(layout).items()}
@@ -59,7 +58,7 @@ def measure(name: str, numel: int, repeats: int = 5) -> dict:
     """Median seconds per compress+decompress, GB/s of dense input, payload bytes, ratio."""
     compressor = compression.get(name)
     x = tf.random.stateless_normal([numel], (1, 2))
-    run = roundtrip_fn(compressor, numel)
+    run = roundtrip_fn(compressor, compression.Layout((matrix_shape(numel),)))
     _, sent = run(x)               # trace + warm up
     sent = int(sent)
     times = []

@@ -16,6 +16,8 @@ import time
 import numpy as np
 from absl import flags
 
+from tf_gradsync.bench import ops_from_spec
+
 flags.DEFINE_integer("workers", 2, "multiworker: number of local workers.")
 flags.DEFINE_integer("params", 25_000_000, "multiworker, cluster: model parameters.")
 flags.DEFINE_integer("steps", 10, "multiworker, cluster: timed steps per run.")
@@ -29,7 +31,8 @@ def worker(mode: str, params: int, steps: int, batch: int, ifname: str | None = 
 
     Args:
       mode: "stock" (tf.distribute.MultiWorkerMirroredStrategy), "compute" (the same
-        step with no communication at all), or a compressor name (ours).
+        step with no communication at all), or a compressor spec (ours; see
+        `tf_gradsync.bench.ops_from_spec`).
       params: model parameters (a square Dense layer, so rounded to a square).
       steps: timed steps, after one untimed step that traces and warms up.
       batch: examples per step.
@@ -55,7 +58,7 @@ def worker(mode: str, params: int, steps: int, batch: int, ifname: str | None = 
         if "TF_CONFIG" in os.environ:
             barrier = tf.distribute.MultiWorkerMirroredStrategy()
     else:
-        ops = gs.CompressedAllReduce(mode)
+        ops = ops_from_spec(mode)
         strategy = gs.MultiWorkerMirroredStrategy(cross_device_ops=ops)
     width = int(np.sqrt(params))
     with strategy.scope():
@@ -88,7 +91,7 @@ def worker(mode: str, params: int, steps: int, batch: int, ifname: str | None = 
     if ops is not None:
         out["bytes_per_step"] = ops.stats()["last_bytes_sent"]
         out["payload_bytes"] = payload_bytes(
-            gs.compression.get(mode), [(v.shape, v.dtype) for v in model.trainable_variables],
+            ops.compressor, [(v.shape, v.dtype) for v in model.trainable_variables],
             ops.bucket_bytes)
     return out
 
@@ -97,14 +100,14 @@ def payload_bytes(compressor, specs, bucket_bytes: int) -> int:
     """Bytes of the payload tensors one replica produces for gradients of `specs`.
 
     Computed apart from the pipeline's counters, by compressing each bucket of the
-    same plan once (every round, for multi-round compressors).
+    same plan once (every round, for multi-round compressors), past any warm-up.
     """
     import tensorflow as tf
     from tf_gradsync.bench import micro
     from tf_gradsync.bucketing import plan_buckets
     total = 0
     for b in plan_buckets(specs, bucket_bytes).buckets:
-        _, sent = micro.roundtrip_fn(compressor, b.numel)(
+        _, sent = micro.roundtrip_fn(compressor, b.layout)(
             tf.random.stateless_normal([b.numel], (3, b.id), dtype=b.dtype))
         total += int(sent)
     return total
