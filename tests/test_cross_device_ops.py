@@ -407,3 +407,31 @@ def test_stats_report_the_compression_error_of_what_was_sent(devices, compressio
     got = ops.stats()["comm_error"]
     assert got == pytest.approx(np.sqrt(err / norm), rel=1e-4, abs=1e-7)
     assert (got == 0) == (compression == "none")
+
+
+@pytest.mark.parametrize("compression,wire", [("fp16", tf.float16), ("bf16", tf.bfloat16),
+                                              ("topk", tf.float32)])
+def test_indexed_slices_values_travel_in_the_wire_dtype(devices, compression, wire):
+    """Embedding gradients stay sparse; fp16/bf16 send their values in 16 bits (every
+    replica, its own part included, so all hold the same result)."""
+    ops = gs.CompressedAllReduce(compression)
+    strategy = tf.distribute.MirroredStrategy(devices, cross_device_ops=ops)
+
+    def fn(ctx):
+        r = ctx.replica_id_in_sync_group
+        with tf.device(strategy.extended.worker_devices[r]):
+            return tf.IndexedSlices(tf.fill([3, 4], 1.0 + r / 3), tf.constant([r, 5, 9]),
+                                    tf.constant([10, 4]))
+    v = strategy.experimental_distribute_values_from_function(fn)
+    (got,) = ops.batch_reduce(SUM, [(v, v)])
+    want = tf.convert_to_tensor(
+        tf.distribute.ReductionToOneDevice().batch_reduce(SUM, [(v, v)])[0].values[0]).numpy()
+    first = tf.convert_to_tensor(got.values[0]).numpy()
+    for g in got.values:
+        assert isinstance(g, tf.IndexedSlices) and g.values.dtype == tf.float32
+        np.testing.assert_array_equal(tf.convert_to_tensor(g).numpy(), first)
+    np.testing.assert_allclose(first, want, rtol=2 ** -7)
+    # 4 destinations x 3 other replicas x (12 values + 3 int32 indices), per replica.
+    s = ops.stats()
+    assert s["bytes_sent"] == 3 * (12 * wire.size + 3 * 4)
+    assert s["bytes_dense"] == 3 * (12 * 4 + 3 * 4)

@@ -112,11 +112,13 @@ class Pipeline:
                 for j, i in enumerate(idx):
                     results[i] = [per_dest[k][j] for k in range(len(dests))]
             for i in groups["sparse"] + groups["dynamic"]:
-                wire = Wire()
-                results[i] = _gather_sum(reduce_op, values[i].values, src, dests, wire)
-                # An uncompressed exchange of these values is exactly this gather.
+                wire, plain = Wire(), Wire()
+                wire_dtype = self.compressor.sparse_values_dtype(values[i].values[0].dtype) \
+                    if compress and i in groups["sparse"] else None
+                results[i] = _gather_sum(reduce_op, values[i].values, src, dests, wire, plain,
+                                         wire_dtype)
                 sent.append(wire.total())
-                dense.append(wire.total())
+                dense.append(plain.total())
 
         self.stats.record(_add(sent) // n, _add(dense) // n,
                           count_step=bool(groups["compressed"]), errors=errors)
@@ -265,18 +267,29 @@ def path_of(value, compress: bool = True) -> str:
     return "compressed" if compress and first.dtype.is_floating else "exact"
 
 
-def _gather_sum(reduce_op, tensors: Sequence, src, dests, wire: Wire) -> list:
+def _gather_sum(reduce_op, tensors: Sequence, src, dests, wire: Wire, plain: Wire,
+                values_dtype: tf.DType | None = None) -> list:
     """Every replica's value copied to each destination and summed there: IndexedSlices
-    are concatenated (never densified), dense tensors of any shape added."""
+    are concatenated (never densified; their values sent as `values_dtype` when given,
+    on every replica, so that all hold the same result), dense tensors of any shape
+    added. `plain` counts what the same gather would send uncompressed."""
     n = len(src)
     out = []
+    sent_values = []
+    if isinstance(tensors[0], tf.IndexedSlices):
+        for s, s_dev in zip(tensors, src):
+            with tf.device(s_dev):
+                sent_values.append(s.values if values_dtype is None
+                                   else tf.cast(s.values, values_dtype))
     for d in dests:
         with tf.device(d):
             if isinstance(tensors[0], tf.IndexedSlices):
-                vals = [s.values if s_dev == d else wire.send(s.values, d)
-                        for s, s_dev in zip(tensors, src)]
+                vals = [tf.cast(v if s_dev == d else wire.send(v, d), s.values.dtype)
+                        for s, v, s_dev in zip(tensors, sent_values, src)]
                 idx = [s.indices if s_dev == d else wire.send(s.indices, d)
                        for s, s_dev in zip(tensors, src)]
+                plain.fed([t for s, s_dev in zip(tensors, src) if s_dev != d
+                           for t in (s.values, s.indices)], 1)
                 v = tf.concat(vals, 0)
                 if reduce_op == MEAN:
                     v = v / tf.cast(n, v.dtype)
@@ -284,6 +297,7 @@ def _gather_sum(reduce_op, tensors: Sequence, src, dests, wire: Wire) -> list:
             else:
                 y = tf.add_n([t if t_dev == d else wire.send(t, d)
                               for t, t_dev in zip(tensors, src)])
+                plain.fed([t for t, t_dev in zip(tensors, src) if t_dev != d], 1)
                 out.append(driver.finish(y, reduce_op == MEAN, n, False))
     return out
 

@@ -281,6 +281,16 @@ class Compressor(abc.ABC):
         del ctx
         return None
 
+    def sparse_values_dtype(self, dtype: tf.DType) -> tf.DType | None:
+        """The dtype in which IndexedSlices values (embedding gradients) of `dtype` travel.
+
+        Sparse gradients are gathered as indices and values, never densified; a
+        compressor that rounds elementwise may say how their values travel. None (the
+        default) sends them as they are.
+        """
+        del dtype
+        return None
+
     def for_error_feedback(self) -> "Compressor":
         """The form of this compressor to use under error feedback (itself by default).
 

@@ -32,6 +32,10 @@ class _Cast(Compressor):
     def decompress(self, payload: Sequence[tf.Tensor], meta: tf.DType) -> tf.Tensor:
         return tf.cast(payload[0], meta)
 
+    def sparse_values_dtype(self, dtype: tf.DType) -> tf.DType | None:
+        """Embedding gradients' values travel in the wire dtype too (half the bytes)."""
+        return self.wire_dtype if dtype.is_floating and dtype.size > 2 else None
+
 
 @register("fp16")
 class Float16(_Cast):

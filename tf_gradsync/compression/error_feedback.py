@@ -75,6 +75,9 @@ class ErrorFeedback(Compressor):
     def check_optimizer(self, optimizer) -> None:
         self.inner.check_optimizer(optimizer)
 
+    def sparse_values_dtype(self, dtype: tf.DType) -> tf.DType | None:
+        return self.inner.sparse_values_dtype(dtype)
+
     @staticmethod
     def _inner_ctx(ctx: Context) -> Context:
         state = {k[len(_INNER):]: v for k, v in ctx.state.items() if k.startswith(_INNER)}

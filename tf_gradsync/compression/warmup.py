@@ -57,6 +57,9 @@ class Warmup(Compressor):
     def check_optimizer(self, optimizer) -> None:
         self.inner.check_optimizer(optimizer)
 
+    def sparse_values_dtype(self, dtype: tf.DType) -> tf.DType | None:
+        return self.inner.sparse_values_dtype(dtype)
+
     def mode(self, ctx: Context) -> tf.Tensor:
         """0 during the warm-up, then 1 + the inner compressor's mode."""
         inner = self.inner.mode(ctx)
