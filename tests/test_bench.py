@@ -6,6 +6,7 @@ import struct
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from tf_gradsync.bench import figure
@@ -131,3 +132,24 @@ def test_accuracy_tiny_run(devices):
     assert (fp16["model"], fp16["optimizer"], fp16["note"]) == ("mlp", "adam", "")
     with pytest.raises(ValueError, match="'vgg'.*valid models: mlp, cnn, resnet"):
         accuracy.compare(["none"], devices, 1, 0.0, models=["vgg"])
+
+
+@pytest.mark.parametrize("name", ["dense", "transformer", "resnet50"])
+def test_bench_models_train_a_step_through_the_ops(devices, name):
+    import tensorflow as tf
+    import tf_gradsync as gs
+    from tf_gradsync.bench import models
+    ops = gs.CompressedAllReduce("fp16")
+    strategy = tf.distribute.MirroredStrategy(devices[:2], cross_device_ops=ops)
+    sizes = {"dense": {"params": 400}, "transformer": {"seq_len": 8, "vocab": 50},
+             "resnet50": {"image_size": 32}}
+    with strategy.scope():
+        work = models.build(name, 2, **sizes[name])
+        opt = tf.keras.optimizers.SGD(0.01)
+    before = [w.copy() for w in work.model.get_weights()]
+    loss = float(work.train_step(strategy, opt)())
+    assert np.isfinite(loss)
+    assert any(not np.array_equal(a, b) for a, b in zip(before, work.model.get_weights()))
+    assert ops.stats()["steps"] == 1 and ops.stats()["compression_ratio"] == pytest.approx(
+        2.0, rel=0.01)
+    assert work.unit == {"dense": "examples", "transformer": "tokens", "resnet50": "images"}[name]

@@ -5,9 +5,8 @@ tf_gradsync.bench accuracy`, BENCHMARKS.md): the 58k-parameter CNN on digits, SG
 learning rate 0.05 and momentum 0.9, 4 replicas, global batch 64, 10 epochs. Each
 compressor must end within 2 points of `none` (the goal is 1). A compressor that
 applies momentum itself (dgc) refuses the optimizer's momentum before the first step
-(tests/test_keras.py); here it trains with the recipe's momentum moved into it. The MLP
-x Adam column (20 epochs) guards the other end: a small dense model and an adaptive
-optimizer.
+(tests/test_keras.py); here it trains with the recipe's momentum moved into it. The
+other columns (MLP, residual network; Adam, SGD without momentum) are in the benchmark.
 """
 
 import pytest
@@ -15,8 +14,7 @@ import pytest
 import tf_gradsync as gs
 from tf_gradsync.bench import accuracy
 
-#: Epochs per model: the MLP learns more slowly per epoch than the CNN.
-EPOCHS = {"cnn": 10, "mlp": 20}
+EPOCHS = 10
 NAMES = [n for n in gs.compression.names() if n != "none"]
 
 
@@ -31,14 +29,13 @@ def devices_module():
 
 
 def _cell(model, recipe, mode, devices, data):
-    return accuracy.train_cell(model, recipe, mode, devices, data, EPOCHS[model], 0.95,
+    return accuracy.train_cell(model, recipe, mode, devices, data, EPOCHS, 0.95,
                                validate_every_epoch=False)
 
 
 @pytest.fixture(scope="module")
 def reference(data, devices_module):
-    return {key: _cell(*key, "none", devices_module, data)["accuracy"]
-            for key in (("cnn", "sgdm"), ("mlp", "adam"))}
+    return _cell("cnn", "sgdm", "none", devices_module, data)["accuracy"]
 
 
 @pytest.mark.slow
@@ -48,11 +45,4 @@ def test_cnn_sgd_momentum(name, data, devices_module, reference):
     assert row["ratio"] > 1.0
     if name == "dgc":
         assert row["note"], "dgc takes over the optimizer's momentum"
-    assert row["accuracy"] >= reference["cnn", "sgdm"] - 0.02, (name, row, reference)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("name", NAMES)
-def test_mlp_adam(name, data, devices_module, reference):
-    row = _cell("mlp", "adam", name, devices_module, data)
-    assert row["accuracy"] >= reference["mlp", "adam"] - 0.02, (name, row, reference)
+    assert row["accuracy"] >= reference - 0.02, (name, row, reference)

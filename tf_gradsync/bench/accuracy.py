@@ -229,9 +229,41 @@ def compare(modes: Sequence[str], devices: Sequence[str], epochs: int, target: f
     return rows
 
 
+def matrix_table(rows: Sequence[dict]) -> str:
+    """The matrix as markdown: a row per mode, a column per (model, optimizer) setting;
+    each cell the final accuracy's difference from `none` in points and the epochs to
+    the target (none's row: its accuracy).
+
+    Example:
+      >>> print(matrix_table([{"setting": "cnn/sgdm", "mode": "none", "accuracy": 0.98,
+      ...                      "vs_none_pts": 0.0, "epochs_to_target": 4}]))
+      | mode | cnn/sgdm |
+      |---|---|
+      | none | 0.980 (4) |
+    """
+    settings = list(dict.fromkeys(r["setting"] for r in rows))
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    cells = {(r["mode"], r["setting"]): r for r in rows}
+
+    def cell(r):
+        if r is None:
+            return ""
+        epochs = r["epochs_to_target"]
+        epochs = "-" if epochs in (None, NOT_REACHED) else str(epochs)
+        if r["mode"] == "none" or r.get("vs_none_pts") is None:
+            return f"{r['accuracy']:.3f} ({epochs})"
+        return f"{r['vs_none_pts']:+.1f} ({epochs})"
+    lines = ["| mode | " + " | ".join(settings) + " |", "|---|" + "---|" * len(settings)]
+    for m in modes:
+        lines.append(f"| {m} | " + " | ".join(cell(cells.get((m, s))) for s in settings) + " |")
+    return "\n".join(lines)
+
+
 def run() -> tuple[list[dict], list[str]]:
     """The suite: none, then --compressors (default: every other registered compressor)."""
     devices = gs.logical_cpus(REPLICAS)
     modes = FLAGS.compressors or ["none", *(n for n in gs.compression.names() if n != "none")]
-    return compare(modes, devices, FLAGS.accuracy_epochs, FLAGS.target_accuracy,
-                   FLAGS.models, FLAGS.optimizers), COLUMNS
+    rows = compare(modes, devices, FLAGS.accuracy_epochs, FLAGS.target_accuracy,
+                   FLAGS.models, FLAGS.optimizers)
+    print(matrix_table(rows), file=sys.stderr, flush=True)
+    return rows, COLUMNS

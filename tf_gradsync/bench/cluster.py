@@ -36,9 +36,9 @@ FLAGS = flags.FLAGS
 #: PowerSGD without its dense warm-up: the few timed steps measure its steady state.
 DEFAULT_COMPRESSORS = ("none", "fp16", "int8", "sign", "topk", "powersgd:start_iter=0")
 PLOT = ("mode", "speedup", "speed-up vs stock MWMS", "setup")
-COLUMNS = ["setup", "workers", "rate", "mode", "step_s", "speedup", "vs_compute", "stats_bytes",
+COLUMNS = ["setup", "workers", "rate", "mode", "step_s", "speedup", "vs_compute", "items_per_s",
+           "stats_bytes",
            "wire_bytes", "wire_vs_stats", "ring_bound", "wire_vs_bound", "cores", "load"]
-BATCH = 16
 _PORT = 20000   # every namespace has its own ports, so all workers can use the same one
 _ENV = {"TF_CPP_MIN_LOG_LEVEL": "2",
         # glibc returning the large gradient buffers every step makes timings noisy.
@@ -65,7 +65,7 @@ def run() -> tuple[list[dict], list[str]]:
         for n in workers:
             for rate in rates:
                 rows += measure(n, rate, modes, FLAGS.params, FLAGS.steps, FLAGS.delay,
-                                FLAGS.cluster_timeout)
+                                FLAGS.cluster_timeout, FLAGS.model, FLAGS.image_size)
         return rows, COLUMNS
     finally:
         _cleanup()
@@ -74,7 +74,8 @@ def run() -> tuple[list[dict], list[str]]:
 
 
 def measure(n: int, rate: str, modes: Sequence[str], params: int, steps: int,
-            delay: str | None = None, timeout: float = 900) -> list[dict]:
+            delay: str | None = None, timeout: float = 900, model: str = "dense",
+            image_size: int = 224) -> list[dict]:
     """Rows for one network: compute-only, stock, then each of `modes` (compressors).
 
     Args:
@@ -85,6 +86,8 @@ def measure(n: int, rate: str, modes: Sequence[str], params: int, steps: int,
       steps: timed steps per run.
       delay: one-way link latency (needs netem), or None.
       timeout: seconds each run may take before its workers are stopped.
+      model: a name of `models.NAMES` (`params` sizes the dense one).
+      image_size: resnet50's input size.
 
     Returns:
       One dict per mode with the keys of `COLUMNS`, and `params`.
@@ -100,13 +103,15 @@ def measure(n: int, rate: str, modes: Sequence[str], params: int, steps: int,
     with netns.Network(n, rate, delay) as net:
         _live.append(net)
         for mode in ["compute", "stock", *modes]:
-            ranks = _job(net, mode, params, steps, timeout)
+            ranks = _job(net, mode, params, steps, timeout, model, image_size)
             row = {"workers": n, "rate": rate, "setup": f"{n} workers, {rate}",
                    "mode": {"compute": "compute-only", "stock": "stock MWMS"}.get(mode, mode),
                    "params": ranks[0]["params"], "cores": f"{cores}/{n}", "load": load,
+                   "model": model, "items_per_s": sum(r["items_per_s"] for r in ranks) / n,
+                   "unit": ranks[0]["unit"],
                    "step_s": sum(r["median_s"] for r in ranks) / n,
                    "wire_bytes": round(sum(r["tx_bytes_per_step"] for r in ranks) / n)}
-            dense = 4 * row["params"]
+            dense = 4 * ranks[0]["dense_params"]
             if mode == "stock":
                 row["ring_bound"] = 2 * (n - 1) * dense // n
             elif mode != "compute":
@@ -130,7 +135,8 @@ def measure(n: int, rate: str, modes: Sequence[str], params: int, steps: int,
     return rows
 
 
-def _job(net: netns.Network, mode: str, params: int, steps: int, timeout: float) -> list[dict]:
+def _job(net: netns.Network, mode: str, params: int, steps: int, timeout: float,
+         model: str = "dense", image_size: int = 224) -> list[dict]:
     """Runs one mode on every worker of `net`; each rank's result dict, by rank."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(_ENV, PYTHONPATH=os.pathsep.join(
@@ -138,7 +144,8 @@ def _job(net: netns.Network, mode: str, params: int, steps: int, timeout: float)
     n = len(net.namespaces)
     configs = launch.tf_configs([f"{a}:{_PORT}" for a in net.addresses])
     cmd = ["-m", "tf_gradsync.bench.multiworker", f"--mode={mode}", f"--params={params}",
-           f"--steps={steps}", f"--batch={BATCH}", f"--ifname={net.interface}"]
+           f"--steps={steps}", f"--batch={multiworker.batch_size(model)}",
+           f"--ifname={net.interface}", f"--model={model}", f"--image_size={image_size}"]
     _log(f"{' '.join(cmd[1:])} on {n} namespaces")
     out = io.StringIO()
     job = launch.Job(cmd, configs, grace_seconds=5, out=out,

@@ -16,18 +16,24 @@ import time
 import numpy as np
 from absl import flags
 
-from tf_gradsync.bench import ops_from_spec
+from tf_gradsync.bench import models, ops_from_spec
 
 flags.DEFINE_integer("workers", 2, "multiworker: number of local workers.")
 flags.DEFINE_integer("params", 25_000_000, "multiworker, cluster: model parameters.")
 flags.DEFINE_integer("steps", 10, "multiworker, cluster: timed steps per run.")
+flags.DEFINE_enum("model", "dense", list(models.NAMES),
+                  "multiworker, cluster: dense (--params weights), resnet50 or transformer.")
+flags.DEFINE_integer("batch", None, "multiworker, cluster: examples per worker and step "
+                     "(default: 16; resnet50 8, transformer 8 sequences).")
+flags.DEFINE_integer("image_size", 224, "multiworker, cluster: resnet50 image size.")
 FLAGS = flags.FLAGS
 #: Figure (see figure.py): step time relative to stock.
 PLOT = ("mode", "vs_stock", "step time / stock")
 
 
-def worker(mode: str, params: int, steps: int, batch: int, ifname: str | None = None) -> dict:
-    """One worker's part of a run: a Dense layer of ~`params` weights, synthetic data.
+def worker(mode: str, params: int, steps: int, batch: int, ifname: str | None = None,
+           model: str = "dense", image_size: int = 224) -> dict:
+    """One worker's part of a run: a model of `models` on synthetic data.
 
     Args:
       mode: "stock" (tf.distribute.MultiWorkerMirroredStrategy), "compute" (the same
@@ -38,9 +44,12 @@ def worker(mode: str, params: int, steps: int, batch: int, ifname: str | None = 
       batch: examples per step.
       ifname: a network interface whose kernel tx counter is read around the timed
         steps (e.g. the worker's link inside its network namespace).
+      model: a name of `models.NAMES`.
+      image_size: resnet50's input size.
 
     Returns:
-      `mode`, `params`, `median_s`; with `ifname`, `tx_bytes_per_step`; for ours,
+      `mode`, `model`, `params`, `median_s`, `items_per_s` (images, tokens or examples
+      per second over all workers) and `unit`; with `ifname`, `tx_bytes_per_step`; for ours,
       `bytes_per_step` (`last_bytes_sent` of `ops.stats()`) and `payload_bytes` (the
       payload tensors of one step's buckets, all rounds).
     """
@@ -60,21 +69,10 @@ def worker(mode: str, params: int, steps: int, batch: int, ifname: str | None = 
     else:
         ops = ops_from_spec(mode)
         strategy = gs.MultiWorkerMirroredStrategy(cross_device_ops=ops)
-    width = int(np.sqrt(params))
     with strategy.scope():
-        model = tf.keras.Sequential([tf.keras.Input((width,)), tf.keras.layers.Dense(width)])
-        opt = tf.keras.optimizers.SGD(1e-3)
-    x = tf.random.stateless_normal([batch, width], (1, 2))
-
-    @tf.function
-    def step():
-        def fn():
-            with tf.GradientTape() as tape:
-                loss = tf.reduce_mean(model(x) ** 2)
-            grads = tape.gradient(loss, model.trainable_variables)
-            opt.apply_gradients(zip(grads, model.trainable_variables))
-            return loss
-        return strategy.reduce("SUM", strategy.run(fn), axis=None)
+        work = models.build(model, batch, params, image_size)
+        opt = tf.keras.optimizers.SGD(1e-3, momentum=0.9)
+    net, step = work.model, work.train_step(strategy, opt)
 
     step().numpy()
     if barrier is not None:
@@ -85,14 +83,22 @@ def worker(mode: str, params: int, steps: int, batch: int, ifname: str | None = 
         start = time.perf_counter()
         step().numpy()
         times.append(time.perf_counter() - start)
-    out = {"mode": mode, "params": model.count_params(), "median_s": float(np.median(times))}
+    median = float(np.median(times))
+    workers = strategy.num_replicas_in_sync if barrier is None else barrier.num_replicas_in_sync
+    trainable = list(net.trainable_variables)
+    out = {"mode": mode, "model": model, "median_s": median,
+           "params": sum(int(np.prod(v.shape)) for v in trainable),
+           # What a bucketed all-reduce carries: embedding tables' gradients are sparse.
+           "dense_params": sum(int(np.prod(v.shape)) for v in trainable
+                               if not _sparse_gradient(v)),
+           "items_per_s": work.items * workers / median, "unit": work.unit}
     if ifname:
         out["tx_bytes_per_step"] = (_tx_bytes(ifname) - tx_start) / steps
     if ops is not None:
         out["bytes_per_step"] = ops.stats()["last_bytes_sent"]
         out["payload_bytes"] = payload_bytes(
-            ops.compressor, [(v.shape, v.dtype) for v in model.trainable_variables],
-            ops.bucket_bytes)
+            ops.compressor, [(v.shape, v.dtype) for v in net.trainable_variables
+                             if not _sparse_gradient(v)], ops.bucket_bytes)
     return out
 
 
@@ -113,6 +119,11 @@ def payload_bytes(compressor, specs, bucket_bytes: int) -> int:
     return total
 
 
+def _sparse_gradient(variable) -> bool:
+    """Embedding tables get IndexedSlices gradients, which are gathered, not bucketed."""
+    return "embedding" in variable.path if hasattr(variable, "path") else "embedding" in variable.name
+
+
 def _tx_bytes(ifname: str | None) -> int:
     if not ifname:
         return 0
@@ -123,13 +134,23 @@ def _tx_bytes(ifname: str | None) -> int:
 def run() -> tuple[list[dict], list[str]]:
     """The suite: stock, then each of --compressors (default none, fp16), as ratios."""
     modes = ["stock", *(FLAGS.compressors or ["none", "fp16"])]
-    rows = run_jobs(modes, FLAGS.workers, FLAGS.params, FLAGS.steps, 16)
+    rows = run_jobs(modes, FLAGS.workers, FLAGS.params, FLAGS.steps, batch_size(FLAGS.model),
+                    FLAGS.model, FLAGS.image_size)
     for r in rows:
         r["vs_stock"] = r["median_s"] / rows[0]["median_s"]
-    return rows, ["mode", "params", "median_s", "vs_stock", "bytes_per_step"]
+    return rows, ["mode", "model", "params", "median_s", "vs_stock", "items_per_s", "unit",
+                  "bytes_per_step"]
 
 
-def run_jobs(modes, workers: int, params: int, steps: int, batch: int) -> list[dict]:
+def batch_size(model: str) -> int:
+    """--batch, or the default per model."""
+    if FLAGS.batch is not None:
+        return FLAGS.batch
+    return {"dense": 16}.get(model, 8)
+
+
+def run_jobs(modes, workers: int, params: int, steps: int, batch: int, model: str = "dense",
+             image_size: int = 224) -> list[dict]:
     """Runs each mode as a separate job, one after the other; returns rank 0's results."""
     rows = []
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
@@ -137,7 +158,8 @@ def run_jobs(modes, workers: int, params: int, steps: int, batch: int) -> list[d
     for mode in modes:
         cmd = [sys.executable, "-m", "tf_gradsync.launch", f"--num_workers={workers}", "--",
                "-m", "tf_gradsync.bench.multiworker", f"--mode={mode}", f"--params={params}",
-               f"--steps={steps}", f"--batch={batch}"]
+               f"--steps={steps}", f"--batch={batch}", f"--model={model}",
+               f"--image_size={image_size}"]
         print(f"[bench] {' '.join(cmd[2:])}", file=sys.stderr, flush=True)
         out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
         if out.returncode:
@@ -155,6 +177,8 @@ if __name__ == "__main__":
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--ifname", default=None)
+    p.add_argument("--model", default="dense", choices=models.NAMES)
+    p.add_argument("--image_size", type=int, default=224)
     a = p.parse_args()
-    print("RESULT " + json.dumps(worker(a.mode, a.params, a.steps, a.batch, a.ifname)),
-          flush=True)
+    print("RESULT " + json.dumps(worker(a.mode, a.params, a.steps, a.batch, a.ifname, a.model,
+                                        a.image_size)), flush=True)

@@ -1,7 +1,7 @@
 """Gradient compressors, looked up by name with `get(name, **kwargs)`."""
 
 from tf_gradsync.compression.base import (GATHER, SUM, Compressor, Context, Layout, Message,
-                                          StateSpec, get, names, nbytes, register)
+                                          StateSpec, Wrapper, get, names, nbytes, register)
 from tf_gradsync.compression import driver
 # Importing the modules registers their compressors.
 from tf_gradsync.compression.none import NoCompression
@@ -23,6 +23,6 @@ from tf_gradsync.compression.warmup import Warmup
 __all__ = [
     "Adaptive", "BFloat16", "Compressor", "Context", "DGC", "ErrorFeedback", "Float16", "GATHER",
     "Int8", "Layout", "Message", "NoCompression", "OneBit", "PowerSGD", "QSGD", "RandomK", "SUM",
-    "Sign", "StateSpec", "TernGrad", "Threshold", "TopK", "Warmup", "driver", "get", "names", "nbytes",
+    "Sign", "StateSpec", "TernGrad", "Threshold", "TopK", "Warmup", "Wrapper", "driver", "get", "names", "nbytes",
     "register",
 ]

@@ -324,6 +324,32 @@ class Compressor(abc.ABC):
         return f"{type(self).__name__}({args})"
 
 
+class Wrapper(Compressor):
+    """A compressor around another one, `inner`, whose payload it sends.
+
+    How the payload travels, the checks and the sparse values' dtype are the inner
+    compressor's; subclasses change what is compressed or when.
+    """
+
+    def __init__(self, inner: Compressor):
+        self.inner = inner
+        self.summable = inner.summable
+        self.prescale = inner.prescale
+        self.floating_only = inner.floating_only
+
+    def check_input(self, x: tf.Tensor) -> None:
+        self.inner.check_input(x)
+
+    def check_optimizer(self, optimizer: Any) -> None:
+        self.inner.check_optimizer(optimizer)
+
+    def sparse_values_dtype(self, dtype: tf.DType) -> tf.DType | None:
+        return self.inner.sparse_values_dtype(dtype)
+
+    def payload_bytes(self, payload: Sequence[tf.Tensor]) -> int:
+        return self.inner.payload_bytes(payload)
+
+
 def nbytes(tensors: Sequence[tf.Tensor]) -> int:
     """Total bytes of `tensors`, which must have static shapes (payloads always do)."""
     total = 0

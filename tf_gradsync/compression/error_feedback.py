@@ -14,12 +14,12 @@ import tensorflow as tf
 
 from tf_gradsync.compression import _util
 from tf_gradsync.compression.base import (GATHER, SUM, Compressor, Context, Layout, Message,
-                                          Rounds, StateSpec, get)
+                                          Rounds, StateSpec, Wrapper, get)
 
 _INNER = "inner_"
 
 
-class ErrorFeedback(Compressor):
+class ErrorFeedback(Wrapper):
     """Wraps a compressor: compresses e = x + residual and keeps e - decompress(...).
 
     Uses only the inner compressor's public interface. Its state variables are kept
@@ -57,10 +57,7 @@ class ErrorFeedback(Compressor):
             raise ValueError(f"ErrorFeedback cannot wrap {inner!r}: compressors with their own "
                              "memory (has_own_memory) or several rounds keep their own residual; "
                              "allowed: single-round compressors without memory")
-        self.inner = inner
-        self.summable = inner.summable
-        self.prescale = inner.prescale
-        self.floating_only = inner.floating_only
+        super().__init__(inner)
         self.num_modes = inner.num_modes
 
     def state_spec(self, layout: Layout) -> dict[str, StateSpec]:
@@ -68,15 +65,6 @@ class ErrorFeedback(Compressor):
         spec = {_INNER + k: s for k, s in self.inner.state_spec(layout).items()}
         spec["residual"] = StateSpec((layout.numel,), _util.work_dtype(layout.dtype))
         return spec
-
-    def check_input(self, x: tf.Tensor) -> None:
-        self.inner.check_input(x)
-
-    def check_optimizer(self, optimizer) -> None:
-        self.inner.check_optimizer(optimizer)
-
-    def sparse_values_dtype(self, dtype: tf.DType) -> tf.DType | None:
-        return self.inner.sparse_values_dtype(dtype)
 
     @staticmethod
     def _inner_ctx(ctx: Context) -> Context:
@@ -100,6 +88,3 @@ class ErrorFeedback(Compressor):
         reduced = self.inner.combine(received, meta)
         self.inner.observe(reduced, inner_ctx)
         return reduced
-
-    def payload_bytes(self, payload) -> int:
-        return self.inner.payload_bytes(payload)

@@ -14,10 +14,10 @@ import tensorflow as tf
 
 from tf_gradsync.compression import _util
 from tf_gradsync.compression.base import (SUM, Compressor, Context, Layout, Message, Rounds,
-                                          StateSpec, get)
+                                          StateSpec, Wrapper, get)
 
 
-class Warmup(Compressor):
+class Warmup(Wrapper):
     """All-reduces the bucket uncompressed for `steps` synchronisations, then runs `inner`.
 
     The first steps of training move fastest and matter most; compressors that delay
@@ -42,23 +42,14 @@ class Warmup(Compressor):
 
     def __init__(self, inner: Compressor | str, steps: int):
         _util.check_number("steps", steps, 0, integer=True)
-        self.inner, self.steps = get(inner), steps
-        for attr in ("summable", "unbiased", "prescale", "floating_only", "has_own_memory"):
-            setattr(self, attr, getattr(self.inner, attr))
+        super().__init__(get(inner))
+        self.steps = steps
+        self.unbiased, self.has_own_memory = self.inner.unbiased, self.inner.has_own_memory
         self.default_error_feedback = False     # the inner one decides its own
         self.num_modes = 1 + self.inner.num_modes
 
     def state_spec(self, layout: Layout) -> dict[str, StateSpec]:
         return self.inner.state_spec(layout)
-
-    def check_input(self, x: tf.Tensor) -> None:
-        self.inner.check_input(x)
-
-    def check_optimizer(self, optimizer) -> None:
-        self.inner.check_optimizer(optimizer)
-
-    def sparse_values_dtype(self, dtype: tf.DType) -> tf.DType | None:
-        return self.inner.sparse_values_dtype(dtype)
 
     def mode(self, ctx: Context) -> tf.Tensor:
         """0 during the warm-up, then 1 + the inner compressor's mode."""

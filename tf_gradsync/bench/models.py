@@ -1,0 +1,119 @@
+"""Models the step-time suites train on synthetic data: a dense layer of a given size,
+ResNet-50 and a small Transformer language model.
+
+`resnet50` follows tf_cnn_benchmarks' convention: `keras.applications.ResNet50` with
+random weights, synthetic images and labels generated once, throughput in images per
+second. `transformer` is a decoder-only language model (token and position
+embeddings, pre-norm blocks of causal self-attention and an MLP, a dense output
+projection); its token embedding's gradient is an IndexedSlices (the sparse path),
+throughput in tokens per second.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import numpy as np
+
+#: Model names for `--model`.
+NAMES = ("dense", "resnet50", "transformer")
+
+
+@dataclasses.dataclass
+class Workload:
+    """A model with its loss and one synthetic batch.
+
+    Attributes:
+      model: the Keras model (built under the strategy's scope).
+      loss: `(model, x, y) -> scalar loss` for one replica's batch.
+      batch: `(x, y)`, one replica's synthetic batch.
+      items: items per replica batch (images, tokens or examples).
+      unit: what an item is.
+    """
+
+    model: object
+    loss: Callable
+    batch: tuple
+    items: int
+    unit: str
+
+    def train_step(self, strategy, optimizer):
+        """A `tf.function` running one training step on every replica; it returns the
+        loss summed over replicas."""
+        import tensorflow as tf  # pylint: disable=import-outside-toplevel
+        net, (x, y) = self.model, self.batch
+
+        @tf.function
+        def step():
+            def fn():
+                with tf.GradientTape() as tape:
+                    loss = self.loss(net, x, y)
+                grads = tape.gradient(loss, net.trainable_variables)
+                optimizer.apply_gradients(zip(grads, net.trainable_variables))
+                return loss
+            return strategy.reduce("SUM", strategy.run(fn), axis=None)
+        return step
+
+
+def build(name: str, batch: int, params: int = 25_000_000, image_size: int = 224,
+          seq_len: int = 128, vocab: int = 32_000) -> Workload:
+    """Builds a workload; call it inside `strategy.scope()`.
+
+    Args:
+      name: one of `NAMES`.
+      batch: examples per replica.
+      params: weights of the `dense` model (a square Dense layer).
+      image_size: `resnet50` input height and width.
+      seq_len: `transformer` tokens per example.
+      vocab: `transformer` vocabulary.
+
+    Raises:
+      ValueError: for an unknown name.
+    """
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    keras = tf.keras
+    rng = np.random.default_rng(0)
+    if name == "dense":
+        width = int(np.sqrt(params))
+        model = keras.Sequential([keras.Input((width,)), keras.layers.Dense(width)])
+        x = tf.constant(rng.standard_normal((batch, width)), tf.float32)
+        return Workload(model, lambda m, x, y: tf.reduce_mean(m(x) ** 2), (x, None), batch,
+                        "examples")
+    if name == "resnet50":
+        model = keras.applications.ResNet50(weights=None, input_shape=(image_size, image_size, 3),
+                                            classes=1000)
+        x = tf.constant(rng.uniform(size=(batch, image_size, image_size, 3)), tf.float32)
+        y = tf.constant(rng.integers(0, 1000, batch), tf.int32)
+        ce = keras.losses.SparseCategoricalCrossentropy()
+        return Workload(model, lambda m, x, y: ce(y, m(x, training=True)), (x, y), batch,
+                        "images")
+    if name == "transformer":
+        model = _transformer(keras, vocab, seq_len)
+        tokens = rng.integers(0, vocab, (batch, seq_len + 1))
+        x = tf.constant(tokens[:, :-1], tf.int32)
+        y = tf.constant(tokens[:, 1:], tf.int32)
+        ce = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        return Workload(model, lambda m, x, y: ce(y, m(x, training=True)), (x, y),
+                        batch * seq_len, "tokens")
+    raise ValueError(f"unknown model {name!r}; valid: {', '.join(NAMES)}")
+
+
+def _transformer(keras, vocab: int, seq_len: int, width: int = 256, heads: int = 4,
+                 layers: int = 2):
+    """A decoder-only language model: 2 blocks of width 256 (about 17M parameters, 8.2M
+    of them in the token embedding and 8.2M in the output projection)."""
+    L = keras.layers
+    tokens = keras.Input((seq_len,), dtype="int32")
+    x = L.Embedding(vocab, width)(tokens)
+    positions = L.Embedding(seq_len, width)(keras.ops.arange(seq_len)[None, :])
+    x = x + positions
+    for _ in range(layers):
+        h = L.LayerNormalization()(x)
+        h = L.MultiHeadAttention(heads, width // heads)(h, h, use_causal_mask=True)
+        x = x + h
+        h = L.LayerNormalization()(x)
+        h = L.Dense(4 * width, activation="gelu")(h)
+        x = x + L.Dense(width)(h)
+    logits = L.Dense(vocab)(L.LayerNormalization()(x))
+    return keras.Model(tokens, logits)
