@@ -137,9 +137,9 @@ class Pipeline:
         """Reduces one group of dense values bucket by bucket.
 
         Returns:
-          `(per_dest, sent, dense, error_sq, norm_sq)`: the results per destination,
-          bytes sent by all local replicas, what an uncompressed ring all-reduce of the
-          same buckets would send, and the compression error terms.
+          `(per_dest, sent, dense, errors)`: the results per destination, bytes sent by
+          all local replicas (int64 tensor), what an uncompressed ring all-reduce of the
+          same buckets would send (int), and each bucket's `(error_sq, norm_sq)`.
         """
         n = len(src)
         total = n * self.num_workers
@@ -204,7 +204,8 @@ class Pipeline:
 
         with tf.name_scope("rounds"):
             return driver.run(compressor, xs, ctxs, exchange, mean=reduce_op == MEAN,
-                              devices=src, measure_error=self.measure_error)
+                              devices=src,
+                              measure_error=self.measure_error and compressor is self.compressor)
 
     def _exchange(self, payloads: list[list[tf.Tensor]], devices: tuple[str, ...],
                   summable: bool, wire: Wire, timeout: float) -> list:
