@@ -375,8 +375,11 @@ def test_dgc_refuses_an_optimizer_with_momentum():
         C.get("dgc").check_optimizer(_Optimizer(momentum=0.9, learning_rate=0.1))
     C.get("dgc").check_optimizer(_Optimizer(momentum=0.0))
     C.get("dgc", momentum=0.0).check_optimizer(_Optimizer(momentum=0.9))
-    C.get("dgc").check_optimizer(_Optimizer(beta_1=0.9))
+    with pytest.raises(ValueError, match=r"applies beta_1=0.9 again"):
+        C.get("dgc").check_optimizer(_Optimizer(beta_1=0.9, beta_2=0.999))
+    C.get("dgc").check_optimizer(_Optimizer(beta_1=0.0))
     C.get("topk").check_optimizer(_Optimizer(momentum=0.9))
+    C.ErrorFeedback("topk").check_optimizer(_Optimizer(beta_1=0.9))
 
 
 # ----------------------------------------------------------------- ErrorFeedback

@@ -173,10 +173,13 @@ def train_cell(model: str, recipe: str, mode: str, devices: Sequence[str], data,
                     callbacks=[clock], verbose=0)
             break
         except ValueError as e:
-            # A compressor that applies momentum itself refuses the optimizer's: the
-            # recipe's momentum moves into the compressor.
-            if attempt or not momentum or "momentum" not in str(e):
+            # A compressor that applies momentum itself refuses an optimizer with its
+            # own: SGD's momentum moves into the compressor; other optimizers (Adam's
+            # first moment) cannot give theirs up, and the cell says so.
+            if "momentum" not in str(e) or attempt:
                 raise
+            if not momentum:
+                return _refused(model, recipe, mode, str(e))
             momentum, note = 0.0, "optimizer momentum 0 (the compressor applies momentum)"
     accs = clock.accuracies
     if validate_every_epoch:
@@ -193,6 +196,14 @@ def train_cell(model: str, recipe: str, mode: str, devices: Sequence[str], data,
         row["ratio"] = s["last_bytes_dense"] / max(s["last_bytes_sent"], 1)
         row["comm_error"] = float(np.mean(clock.errors)) if clock.errors else None
     return row
+
+
+def _refused(model: str, recipe: str, mode: str, reason: str) -> dict:
+    """The row of a cell whose compressor refused the recipe's optimizer."""
+    return {"model": model, "optimizer": recipe, "setting": f"{model}/{recipe}", "mode": mode,
+            "accuracy": None, "accuracies": [], "epochs_to_target": None,
+            "seconds_to_target": None, "train_s": None, "bytes_per_step": None, "ratio": None,
+            "comm_error": None, "note": "refused: " + reason.split(":")[0].split(". ")[0]}
 
 
 def compare(modes: Sequence[str], devices: Sequence[str], epochs: int, target: float,
@@ -224,7 +235,8 @@ def compare(modes: Sequence[str], devices: Sequence[str], epochs: int, target: f
             ref = {r["mode"]: r["accuracy"] for r in cell if r["mode"] in ("stock", "none")}
             for r in cell:
                 for col, base in (("vs_stock_pts", "stock"), ("vs_none_pts", "none")):
-                    r[col] = 100 * (r["accuracy"] - ref[base]) if base in ref else None
+                    r[col] = (100 * (r["accuracy"] - ref[base])
+                              if base in ref and r["accuracy"] is not None else None)
             rows += cell
     return rows
 
@@ -248,6 +260,8 @@ def matrix_table(rows: Sequence[dict]) -> str:
     def cell(r):
         if r is None:
             return ""
+        if r["accuracy"] is None:
+            return "refused"
         epochs = r["epochs_to_target"]
         epochs = "-" if epochs in (None, NOT_REACHED) else str(epochs)
         if r["mode"] == "none" or r.get("vs_none_pts") is None:
