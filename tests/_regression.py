@@ -4,14 +4,15 @@ their worker scripts."""
 import tensorflow as tf
 
 
-def model_and_optimizer(strategy, inputs: int, outputs: int, hidden: int = 64, seed: int = 0):
-    """A tanh MLP and SGD with momentum, created under `strategy`'s scope."""
+def model_and_optimizer(strategy, inputs: int, outputs: int, hidden: int = 64, seed: int = 0,
+                        momentum: float = 0.9):
+    """A tanh MLP and SGD (with momentum by default), created under `strategy`'s scope."""
     with strategy.scope():
         tf.keras.utils.set_random_seed(seed)
         model = tf.keras.Sequential([tf.keras.Input((inputs,)),
                                      tf.keras.layers.Dense(hidden, "tanh"),
                                      tf.keras.layers.Dense(outputs)])
-        opt = tf.keras.optimizers.SGD(0.05, momentum=0.9)
+        opt = tf.keras.optimizers.SGD(0.05, momentum=momentum)
     return model, opt
 
 

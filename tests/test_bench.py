@@ -153,3 +153,17 @@ def test_bench_models_train_a_step_through_the_ops(devices, name):
     assert ops.stats()["steps"] == 1 and ops.stats()["compression_ratio"] == pytest.approx(
         2.0, rel=0.01)
     assert work.unit == {"dense": "examples", "transformer": "tokens", "resnet50": "images"}[name]
+
+
+def test_accuracy_cell_refused_by_the_compressor(devices):
+    """dgc refuses Adam (its first moment compounds with dgc's momentum): the cell says
+    so instead of training; under SGD with momentum the momentum moves into dgc."""
+    from tf_gradsync.bench import accuracy
+    data = accuracy.train_digits().load_data(0)
+    row = accuracy.train_cell("mlp", "adam", "dgc", devices, data, 1, 0.5)
+    assert row["accuracy"] is None and row["note"].startswith("refused: dgc applies momentum")
+    row = accuracy.train_cell("mlp", "sgdm", "dgc", devices, data, 1, 0.5)
+    assert row["accuracy"] > 0.5 and row["note"].startswith("optimizer momentum 0")
+    table = accuracy.matrix_table([dict(row, mode="none", vs_none_pts=0.0), dict(
+        accuracy._refused("mlp", "sgdm", "dgc", "no: because"), vs_none_pts=None)])
+    assert "| dgc | refused |" in table

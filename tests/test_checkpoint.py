@@ -43,8 +43,11 @@ def _strategy(name, devices):
 
 
 def _model(strategy, ops):
+    # dgc applies momentum itself and refuses Adam (the default): plain SGD for it.
+    optimizer = (lambda k: train_digits.make_optimizer(k, "sgd", 0.05, 0.0)) \
+        if ops.compressor.name == "dgc" else None
     with strategy.scope():
-        model = train_digits.build_model(tf.keras, seed=3)
+        model = train_digits.build_model(tf.keras, seed=3, optimizer=optimizer)
     gs.track_state(model, ops)
     return model
 

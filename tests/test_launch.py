@@ -97,13 +97,21 @@ def test_tf_configs():
 
 
 # ------------------------------------------------------------ restarts
+# Rank 1 fails in the first attempts, once rank 0 has started (a file says so: on a
+# loaded machine rank 0 may otherwise be stopped before it prints anything).
 FLAKY = (
     "import json, os, sys, time\n"
     "rank = json.loads(os.environ['TF_CONFIG'])['task']['index']\n"
     "attempt = int(os.environ['TF_GRADSYNC_ATTEMPT'])\n"
     "print('attempt', attempt, 'rank', rank, os.environ['TF_CONFIG'], flush=True)\n"
     "fail_until = int(sys.argv[1])\n"
+    "started = os.path.join(os.path.dirname(os.path.abspath(__file__)), f'started_{attempt}')\n"
+    "if rank == 0:\n"
+    "    open(started, 'w').close()\n"
     "if rank == 1 and attempt < fail_until:\n"
+    "    deadline = time.monotonic() + 60\n"
+    "    while not os.path.exists(started) and time.monotonic() < deadline:\n"
+    "        time.sleep(0.05)\n"
     "    sys.exit(5)\n"
     "time.sleep(0.5 if rank == 1 else 600 if attempt < fail_until else 0)\n")
 
