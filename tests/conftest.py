@@ -23,3 +23,6 @@ def devices():
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: end-to-end training runs (minutes, still run in CI)")
+    # The suite has a time budget: every run reports its slowest tests.
+    if not config.option.durations:
+        config.option.durations = 25

@@ -44,7 +44,11 @@ def test_keras3_fit_compressed_two_workers(tmp_path, none_2workers, compression,
     weights, res = results(out, 2)
     assert_same_weights(weights)
     stats = res[0]["stats"]
-    assert res[1]["stats"] == stats
+    # Bytes and steps agree across workers; comm_error is each worker's own gradients'.
+    local = ("comm_error",)
+    assert {k: v for k, v in res[1]["stats"].items() if k not in local} == \
+        {k: v for k, v in stats.items() if k not in local}
+    assert 0 < res[1]["stats"]["comm_error"] < 1
     assert stats["last_bytes_dense"] == PARAMS * 4
     if ratio:
         assert stats["compression_ratio"] == pytest.approx(ratio)
