@@ -158,6 +158,9 @@ def train_cell(model: str, recipe: str, mode: str, devices: Sequence[str], data,
     """
     digits = train_digits()
     name, lr, momentum = RECIPES[recipe]
+    # Cosine decay to 0 over the run, as recipes end (the final accuracy is then the
+    # converged model's, not one noisy iterate's).
+    decay_steps = epochs * -(-len(data[0]) // BATCH_SIZE)
     note = ""
     for attempt in range(2):
         ops = None if mode == "stock" else ops_from_spec(mode)
@@ -165,7 +168,8 @@ def train_cell(model: str, recipe: str, mode: str, devices: Sequence[str], data,
         x_train, x_test, y_train, y_test = data
         with strategy.scope():
             net = digits.build_model(
-                tf.keras, SEED, lambda k, m=momentum: digits.make_optimizer(k, name, lr, m), model)
+                tf.keras, SEED,
+                lambda k, m=momentum: digits.make_optimizer(k, name, lr, m, decay_steps), model)
         mirror = digits.build_model(tf.keras, SEED, None, model)
         clock = _Clock(ops, mirror, x_test, y_test, validate_every_epoch)
         try:
