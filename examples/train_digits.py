@@ -54,21 +54,13 @@ def load_data(seed: int = 0):
 
 
 def make_optimizer(keras, name: str = "adam", learning_rate: float | None = None,
-                   momentum: float = 0.9, decay_steps: int | None = None):
-    """Adam (learning rate 1e-3) or SGD (0.05, with `momentum`).
-
-    With `decay_steps`, the learning rate follows a cosine from its initial value to
-    0 over that many steps, as training recipes end: the final weights are then a
-    converged model rather than one noisy iterate.
-    """
-    if learning_rate is None:
-        learning_rate = 1e-3 if name == "adam" else 0.05
-    if decay_steps:
-        learning_rate = keras.optimizers.schedules.CosineDecay(learning_rate, decay_steps)
+                   momentum: float = 0.9):
+    """Adam (learning rate 1e-3) or SGD (0.05, with `momentum`)."""
     if name == "adam":
-        return keras.optimizers.Adam(learning_rate)
+        return keras.optimizers.Adam(1e-3 if learning_rate is None else learning_rate)
     if name == "sgd":
-        return keras.optimizers.SGD(learning_rate, momentum=momentum)
+        return keras.optimizers.SGD(0.05 if learning_rate is None else learning_rate,
+                                    momentum=momentum)
     raise ValueError(f"unknown optimizer {name!r}; valid: adam, sgd")
 
 

@@ -162,7 +162,7 @@ def test_accuracy_cell_refused_by_the_compressor(devices):
     data = accuracy.train_digits().load_data(0)
     row = accuracy.train_cell("mlp", "adam", "dgc", devices, data, 1, 0.5)
     assert row["accuracy"] is None and row["note"].startswith("refused: dgc applies momentum")
-    row = accuracy.train_cell("mlp", "sgdm", "dgc", devices, data, 1, 0.5)
+    row = accuracy.train_cell("mlp", "sgdm", "dgc", devices, data, 2, 0.5)
     assert row["accuracy"] > 0.5 and row["note"].startswith("optimizer momentum 0")
     table = accuracy.matrix_table([dict(row, mode="none", vs_none_pts=0.0), dict(
         accuracy._refused("mlp", "sgdm", "dgc", "no: because"), vs_none_pts=None)])

@@ -445,7 +445,7 @@ def test_error_feedback_rejects_own_memory(inner):
 # ----------------------------------------------------------------- sizes and arguments
 EXPECTED_BYTES = {  # one flat tensor of 1000 float32 (dense: 4000 bytes)
     "none": 4000, "fp16": 2000, "bf16": 2000, "int8": 1004, "qsgd": 1008, "terngrad": 254,
-    "sign": 189, "onebit": 253, "topk": 80, "threshold": 80, "randomk": 2000, "dgc": 80,
+    "sign": 251, "onebit": 253, "topk": 80, "threshold": 80, "randomk": 2000, "dgc": 80,
     "adaptive": 800,    # starts critical: max_ratio = 10%
     "powersgd": 4000,   # a vector is sent as it is
 }
@@ -464,9 +464,9 @@ def test_payload_bytes_per_tensor_statistics():
     """Per-tensor statistics cost one scale (or norm, or k) per tensor, not per bucket."""
     t = len(LAYOUT.tensors)                       # 5 non-empty tensors
     sizes = [s for s in LAYOUT.sizes if s]
-    blocks = sum(math.ceil(s / 32) for s in sizes)
-    want = {"int8": N + 4 * t, "sign": math.ceil(N / 8) + 2 * blocks,
-            "onebit": math.ceil(N / 8) + 4 * blocks, "terngrad": math.ceil(N / 4) + 4 * t,
+    blocks = {b: sum(math.ceil(s / b) for s in sizes) for b in (16, 32)}
+    want = {"int8": N + 4 * t, "sign": math.ceil(N / 8) + 2 * blocks[16],
+            "onebit": math.ceil(N / 8) + 4 * blocks[32], "terngrad": math.ceil(N / 4) + 4 * t,
             "qsgd": N + 4 * sum(math.ceil(s / 512) for s in sizes),
             "topk": 8 * sum(max(1, math.ceil(0.01 * s)) for s in sizes),
             "randomk": 4 * sum(max(1, math.ceil(0.5 * s)) for s in sizes)}

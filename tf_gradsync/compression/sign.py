@@ -36,14 +36,16 @@ class Sign(Compressor):
     delayed update destabilises training at the learning rates of SGD with momentum
     (a CNN on digits with SGD, learning rate 0.05, momentum 0.9, diverged; the paper
     trains EF-SignSGD without momentum). Small blocks follow the local magnitude and
-    the l2 scale sends each block's full energy, which keeps the delay short: the
-    same CNN then trains within a point of uncompressed SGD.
+    the l2 scale sends each block's full energy, which keeps the delay short. Blocks
+    of 16 train that CNN as uncompressed SGD does (0.975 and 0.975 against 0.981 and
+    0.975 over two seeds, 10 epochs); blocks of 32 lost 2.5 points (0.953, 0.950),
+    and per-block l1 scales diverged (0.38).
 
     Biased: use it under error feedback (the default in `CompressedAllReduce`).
 
     Payload: `(bits, scales)`: sign bits (1 for x >= 0) packed eight per uint8,
     ceil(n / 8) bytes, and one bfloat16 scale per block (float64 for float64 input):
-    1.5 bits per entry at the default block of 32. All-gathered. A zero block gives
+    2 bits per entry at the default block of 16. All-gathered. A zero block gives
     zeros; a non-finite bucket NaN scales (all-NaN output).
 
     Args:
@@ -61,7 +63,7 @@ class Sign(Compressor):
     summable = False
     unbiased = False
 
-    def __init__(self, block: int | None = 32, scale: str = "l2"):
+    def __init__(self, block: int | None = 16, scale: str = "l2"):
         if block is not None:
             _util.check_number("block", block, 1, integer=True)
         if scale not in SCALES:
