@@ -20,8 +20,7 @@ BATCH = 64
 # Compressors whose results depend on state or on the step counter, with settings that
 # keep state busy on this small model.
 STATEFUL = {
-    "topk": {"ratio": 0.05},        # error-feedback residual
-    "sign": {},                     # error-feedback residual
+    "topk": {"ratio": 0.05},        # error-feedback residual (as every biased compressor's)
     "randomk": {"ratio": 0.25},     # per-step shared seed (step counter)
     "qsgd": {},                     # per-step seed
     "powersgd": {"rank": 2},        # warm-start Q and residual

@@ -398,10 +398,10 @@ def test_stats_report_the_compression_error_of_what_was_sent(devices, compressio
                 c = np.zeros_like(x)
                 keep = np.argsort(-np.abs(x), kind="stable")[:max(1, int(np.ceil(0.01 * x.size)))]
                 c[keep] = x[keep]
-            else:                           # blocks of 32, rms scale in bfloat16
+            else:                           # blocks of 16, rms scale in bfloat16
                 c = np.concatenate([np.where(b >= 0, 1, -1) * float(tf.cast(
                     np.sqrt(np.mean(b ** 2)), tf.bfloat16)) for b in np.split(
-                        x, range(32, x.size, 32))])
+                        x, range(16, x.size, 16))])
             err += np.sum((x - c) ** 2)
             norm += np.sum(x ** 2)
     got = ops.stats()["comm_error"]

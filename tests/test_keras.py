@@ -13,7 +13,7 @@ import tf_gradsync as gs
 import train_digits  # examples/train_digits.py
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-EPOCHS = 15
+EPOCHS = 12
 
 
 @pytest.fixture(scope="module")

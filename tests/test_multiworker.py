@@ -33,7 +33,7 @@ def test_keras3_fit_none_two_workers(none_2workers):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("compression,options,ratio", [
-    ("fp16", "{}", 2.0),
+    # fp16: test_keras3_fit_three_workers and test_tf_keras_two_workers.
     ("topk", '{"ratio": 0.05}', None),
     ("powersgd", '{"rank": 16}', None),
 ])
