@@ -28,7 +28,7 @@ def stock_accuracy(data):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("compression", ["none", "fp16"])
+@pytest.mark.parametrize("compression", ["none"])   # fp16 fits: the multi-worker tests
 def test_keras3_fit_matches_stock_mirrored(devices, data, stock_accuracy, compression):
     ops = gs.CompressedAllReduce(compression)
     strategy = tf.distribute.MirroredStrategy(devices, cross_device_ops=ops)
