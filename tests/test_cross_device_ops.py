@@ -435,3 +435,46 @@ def test_indexed_slices_values_travel_in_the_wire_dtype(devices, compression, wi
     s = ops.stats()
     assert s["bytes_sent"] == 3 * (12 * wire.size + 3 * 4)
     assert s["bytes_dense"] == 3 * (12 * 4 + 3 * 4)
+
+
+class _RecordingOps(tf.distribute.ReductionToOneDevice):
+    """Stands in for the multi-worker strategy's own collectives: records the dtypes of
+    the IndexedSlices values handed to it, then reduces them exactly."""
+
+    def __init__(self):
+        super().__init__()
+        self.dtypes = []
+
+    def batch_reduce_implementation(self, reduce_op, value_destination_pairs, options):
+        for value, _ in value_destination_pairs:
+            self.dtypes += [s.values.dtype for s in value.values]
+        return super().batch_reduce_implementation(reduce_op, value_destination_pairs, options)
+
+
+@pytest.mark.parametrize("compression,wire", [("fp16", tf.float16), ("bf16", tf.bfloat16),
+                                              ("topk", tf.float32), ("none", tf.float32)])
+def test_indexed_slices_across_workers_travel_in_the_wire_dtype(devices, compression, wire):
+    """Across workers IndexedSlices go through TensorFlow's collectives (the strategy's
+    exact ops); under fp16/bf16 their values enter them in 16 bits and come back in
+    the gradient's dtype."""
+    ops = gs.CompressedAllReduce(compression)
+    exact = _RecordingOps()
+    ops.join_cluster(1, exact)
+    strategy = tf.distribute.MirroredStrategy(devices, cross_device_ops=ops)
+
+    def fn(ctx):
+        r = ctx.replica_id_in_sync_group
+        with tf.device(strategy.extended.worker_devices[r]):
+            return tf.IndexedSlices(tf.fill([3, 4], 1.0 + r / 3), tf.constant([r, 5, 9]),
+                                    tf.constant([10, 4]))
+    v = strategy.experimental_distribute_values_from_function(fn)
+    for op in (SUM, MEAN):
+        exact.dtypes.clear()
+        (got,) = ops.batch_reduce(op, [(v, v)])
+        want = tf.convert_to_tensor(
+            tf.distribute.ReductionToOneDevice().batch_reduce(op, [(v, v)])[0].values[0])
+        assert exact.dtypes == [wire] * len(devices)
+        for g in got.values:
+            assert isinstance(g, tf.IndexedSlices) and g.values.dtype == tf.float32
+            np.testing.assert_allclose(tf.convert_to_tensor(g).numpy(), want.numpy(),
+                                       rtol=0 if wire == tf.float32 else 2 ** -7)

@@ -33,6 +33,11 @@ def to_per_replica(value) -> _values.PerReplica:
     return _cross_device_ops._make_tensor_into_per_replica(value)  # pylint: disable=protected-access
 
 
+def per_replica(values: Sequence) -> _values.PerReplica:
+    """One value per local replica -> a `PerReplica`."""
+    return _values.PerReplica(tuple(values))
+
+
 def regroup_mirrored(per_device: Sequence) -> object:
     """One value per destination device -> a `Mirrored` (or the value itself for one device)."""
     if len(per_device) == 1:

@@ -22,7 +22,8 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
     `ReplicaContext.all_reduce` use) is bucketed and compressed: only payload tensors
     cross device boundaries. Single-value reductions (`reduce`, used for metrics and
     `strategy.reduce`), gathers and broadcasts are exact. IndexedSlices gradients are
-    all-gathered as indices and values (not densified and not compressed).
+    all-gathered as indices and values (not densified; the values in 16 bits under
+    fp16/bf16, within a process and across workers).
 
     Args:
       compression: a registered compressor name (see
@@ -95,7 +96,8 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
           num_workers: workers in the job, each with the same local devices.
           exact_ops: the strategy's own collective ops, which keep serving everything
             that is not a compressible gradient all-reduce (metrics, integers,
-            IndexedSlices, gathers, broadcasts) exactly.
+            IndexedSlices, gathers, broadcasts) exactly; IndexedSlices values are
+            handed to them in the compressor's `sparse_values_dtype`.
         """
         if self._exact_ops is not None and self._exact_ops is not exact_ops:
             raise ValueError("this CompressedAllReduce already belongs to another strategy")
@@ -152,11 +154,42 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
             for i, r in zip(ours, self._run(reduce_op, [pairs[i] for i in ours], options, True)):
                 results[i] = r
         if rest:
+            narrowed = [self._narrow_sparse(pairs[i][0]) for i in rest]
             exact = self._exact_ops.batch_reduce_implementation(
-                reduce_op, [pairs[i] for i in rest], options)
+                reduce_op, [(v, pairs[i][1]) for v, i in zip(narrowed, rest)], options)
             for i, r in zip(rest, exact):
-                results[i] = r
+                results[i] = self._widen_sparse(r, pairs[i][0])
         return results
+
+    def _sparse_wire_dtype(self, value) -> tf.DType | None:
+        first = _tf_compat.to_per_replica(value).values[0]
+        if not isinstance(first, tf.IndexedSlices):
+            return None
+        return self._compressor.sparse_values_dtype(first.values.dtype)
+
+    def _narrow_sparse(self, value):
+        """IndexedSlices values in the compressor's 16-bit dtype (fp16, bf16) before
+        TensorFlow's sparse gather across workers, as within a process."""
+        wire = self._sparse_wire_dtype(value)
+        if wire is None:
+            return value
+        parts = []
+        for s in _tf_compat.to_per_replica(value).values:
+            with tf.device(s.values.device):
+                parts.append(tf.IndexedSlices(tf.cast(s.values, wire), s.indices, s.dense_shape))
+        return _tf_compat.per_replica(parts)
+
+    def _widen_sparse(self, result, value):
+        """The gathered IndexedSlices back in the gradient's dtype."""
+        if self._sparse_wire_dtype(value) is None:
+            return result
+        dtype = _tf_compat.to_per_replica(value).values[0].values.dtype
+        parts = [result] if isinstance(result, tf.IndexedSlices) else list(result.values)
+        out = []
+        for s in parts:
+            with tf.device(s.values.device):
+                out.append(tf.IndexedSlices(tf.cast(s.values, dtype), s.indices, s.dense_shape))
+        return _tf_compat.regroup_mirrored(out)
 
     def broadcast_implementation(self, tensor, destinations):
         if self._exact_ops is not None:

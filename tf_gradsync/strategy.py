@@ -5,7 +5,8 @@ insists on its own `CollectiveAllReduce`. This subclass keeps TensorFlow's multi
 runtime (cluster resolution, gRPC collectives, health checks) and routes gradient
 all-reduces through a `CompressedAllReduce`: the compressed payload crosses workers in
 TF collective ops. Everything else (metrics, gathers, broadcasts, integer and
-IndexedSlices values) stays with TensorFlow's collective ops, exactly.
+IndexedSlices values) stays with TensorFlow's collective ops, exactly, except that
+IndexedSlices values enter them in 16 bits under fp16/bf16.
 
 It also carries a narrow fix for Keras 3 `model.fit` under multi-worker strategies
 (keras-team/keras#20585): Keras calls `strategy.reduce` on a nested batch and with
