@@ -409,20 +409,24 @@ def test_stats_report_the_compression_error_of_what_was_sent(devices, compressio
     assert (got == 0) == (compression == "none")
 
 
+def _embedding_gradient(strategy):
+    """A PerReplica IndexedSlices: 3 rows of a [10, 4] table per replica, one row each
+    replica's own, two shared."""
+    def fn(ctx):
+        r = ctx.replica_id_in_sync_group
+        with tf.device(strategy.extended.worker_devices[r]):
+            return tf.IndexedSlices(tf.fill([3, 4], 1.0 + r / 3), tf.constant([r, 5, 9]),
+                                    tf.constant([10, 4]))
+    return strategy.experimental_distribute_values_from_function(fn)
+
+
 @pytest.mark.parametrize("compression,wire", [("fp16", tf.float16), ("bf16", tf.bfloat16),
                                               ("topk", tf.float32)])
 def test_indexed_slices_values_travel_in_the_wire_dtype(devices, compression, wire):
     """Embedding gradients stay sparse; fp16/bf16 send their values in 16 bits (every
     replica, its own part included, so all hold the same result)."""
     ops = gs.CompressedAllReduce(compression)
-    strategy = tf.distribute.MirroredStrategy(devices, cross_device_ops=ops)
-
-    def fn(ctx):
-        r = ctx.replica_id_in_sync_group
-        with tf.device(strategy.extended.worker_devices[r]):
-            return tf.IndexedSlices(tf.fill([3, 4], 1.0 + r / 3), tf.constant([r, 5, 9]),
-                                    tf.constant([10, 4]))
-    v = strategy.experimental_distribute_values_from_function(fn)
+    v = _embedding_gradient(tf.distribute.MirroredStrategy(devices, cross_device_ops=ops))
     (got,) = ops.batch_reduce(SUM, [(v, v)])
     want = tf.convert_to_tensor(
         tf.distribute.ReductionToOneDevice().batch_reduce(SUM, [(v, v)])[0].values[0]).numpy()
@@ -460,14 +464,7 @@ def test_indexed_slices_across_workers_travel_in_the_wire_dtype(devices, compres
     ops = gs.CompressedAllReduce(compression)
     exact = _RecordingOps()
     ops.join_cluster(1, exact)
-    strategy = tf.distribute.MirroredStrategy(devices, cross_device_ops=ops)
-
-    def fn(ctx):
-        r = ctx.replica_id_in_sync_group
-        with tf.device(strategy.extended.worker_devices[r]):
-            return tf.IndexedSlices(tf.fill([3, 4], 1.0 + r / 3), tf.constant([r, 5, 9]),
-                                    tf.constant([10, 4]))
-    v = strategy.experimental_distribute_values_from_function(fn)
+    v = _embedding_gradient(tf.distribute.MirroredStrategy(devices, cross_device_ops=ops))
     for op in (SUM, MEAN):
         exact.dtypes.clear()
         (got,) = ops.batch_reduce(op, [(v, v)])

@@ -2,10 +2,10 @@
 
 Every step must reuse the first step's graph (no retracing), bucket plans and state
 variables, and the process must not grow: resident memory at the end is compared
-with resident memory after the first steps (20, or 10 for the large one), when every buffer of the step has been allocated
-once. The large case runs in a fresh process (`python tests/test_load.py big ...`), so
-that its gigabytes are returned when it ends and its memory is not mixed with earlier
-tests'.
+with resident memory after the first steps (20, or 10 for the large one), when every
+buffer of the step has been allocated once. The large case runs in a fresh process
+(`python tests/test_load.py big ...`), so that its gigabytes are returned when it ends
+and its memory is not mixed with earlier tests'.
 """
 
 import json

@@ -18,7 +18,6 @@ import math
 import os
 from typing import Any, Mapping
 
-
 from tf_gradsync import algorithms, compression
 
 

@@ -156,40 +156,29 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
         if rest:
             narrowed = [self._narrow_sparse(pairs[i][0]) for i in rest]
             exact = self._exact_ops.batch_reduce_implementation(
-                reduce_op, [(v, pairs[i][1]) for v, i in zip(narrowed, rest)], options)
-            for i, r in zip(rest, exact):
-                results[i] = self._widen_sparse(r, pairs[i][0])
+                reduce_op, [(v, pairs[i][1]) for (v, _), i in zip(narrowed, rest)], options)
+            for i, r, (_, dtype) in zip(rest, exact, narrowed):
+                if dtype is not None:      # back in the gradient's dtype
+                    parts = [r] if isinstance(r, tf.IndexedSlices) else r.values
+                    r = _tf_compat.regroup_mirrored(_cast_slices(parts, dtype))
+                results[i] = r
         return results
 
-    def _sparse_wire_dtype(self, value) -> tf.DType | None:
-        first = _tf_compat.to_per_replica(value).values[0]
-        if not isinstance(first, tf.IndexedSlices):
-            return None
-        return self._compressor.sparse_values_dtype(first.values.dtype)
-
-    def _narrow_sparse(self, value):
+    def _narrow_sparse(self, value) -> tuple:
         """IndexedSlices values in the compressor's 16-bit dtype (fp16, bf16) before
-        TensorFlow's sparse gather across workers, as within a process."""
-        wire = self._sparse_wire_dtype(value)
-        if wire is None:
-            return value
-        parts = []
-        for s in _tf_compat.to_per_replica(value).values:
-            with tf.device(s.values.device):
-                parts.append(tf.IndexedSlices(tf.cast(s.values, wire), s.indices, s.dense_shape))
-        return _tf_compat.per_replica(parts)
+        TensorFlow's sparse gather across workers, as within a process.
 
-    def _widen_sparse(self, result, value):
-        """The gathered IndexedSlices back in the gradient's dtype."""
-        if self._sparse_wire_dtype(value) is None:
-            return result
-        dtype = _tf_compat.to_per_replica(value).values[0].values.dtype
-        parts = [result] if isinstance(result, tf.IndexedSlices) else list(result.values)
-        out = []
-        for s in parts:
-            with tf.device(s.values.device):
-                out.append(tf.IndexedSlices(tf.cast(s.values, dtype), s.indices, s.dense_shape))
-        return _tf_compat.regroup_mirrored(out)
+        Returns:
+          `(value to hand over, dtype to restore or None when unchanged)`.
+        """
+        v = _tf_compat.to_per_replica(value)
+        first = v.values[0]
+        if not isinstance(first, tf.IndexedSlices):
+            return value, None
+        wire = self._compressor.sparse_values_dtype(first.values.dtype)
+        if wire is None:
+            return value, None
+        return _tf_compat.per_replica(_cast_slices(v.values, wire)), first.values.dtype
 
     def broadcast_implementation(self, tensor, destinations):
         if self._exact_ops is not None:
@@ -227,6 +216,15 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
             for i, per_dest in zip(idx, reduced):
                 results[i] = _tf_compat.regroup_mirrored(per_dest)
         return results
+
+
+def _cast_slices(slices, dtype: tf.DType) -> list:
+    """Each IndexedSlices with its values cast to `dtype`, on the values' device."""
+    out = []
+    for s in slices:
+        with tf.device(s.values.device):
+            out.append(tf.IndexedSlices(tf.cast(s.values, dtype), s.indices, s.dense_shape))
+    return out
 
 
 def _with_error_feedback(compressor: Compressor, error_feedback: bool | None) -> Compressor:
