@@ -40,6 +40,8 @@ flags.DEFINE_string("compression_options", "{}", "JSON keyword arguments of the 
 flags.DEFINE_enum("loop", "fit", ["fit", "custom"], "model.fit or a custom training loop.")
 flags.DEFINE_integer("epochs", 20, "Training epochs.")
 flags.DEFINE_integer("batch_size", 64, "Global batch size.")
+flags.DEFINE_enum("exchange", "auto", ["auto", "gather", "two_phase"],
+                  "How payloads that cannot be summed travel.")
 flags.DEFINE_float("timeout", 120.0, "Seconds a collective waits for a missing peer.")
 flags.DEFINE_string("out", None, "Directory for per-worker weights and stats.")
 flags.DEFINE_integer("die_at_step", -1, "Worker 1 exits with code 3 after this training step "
@@ -81,7 +83,7 @@ def main(argv):
     if FLAGS.compression != "stock":
         ops = gs.CompressedAllReduce(
             gs.compression.get(FLAGS.compression, **json.loads(FLAGS.compression_options)),
-            timeout_seconds=FLAGS.timeout)
+            timeout_seconds=FLAGS.timeout, exchange=FLAGS.exchange)
     options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=FLAGS.timeout)
     resolver = None
     if FLAGS.cluster == "slurm":

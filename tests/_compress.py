@@ -9,12 +9,14 @@ import numpy as np
 import tensorflow as tf
 
 from tf_gradsync import compression as C
-from tf_gradsync.compression import driver
+from tf_gradsync.compression import driver, two_phase
 
 
-def make_state(c: C.Compressor, layout: C.Layout) -> dict[str, tf.Variable]:
+def make_state(c: C.Compressor, layout: C.Layout,
+               chunks: two_phase.Chunks | None = None) -> dict[str, tf.Variable]:
+    spec = c.state_spec(layout) if chunks is None else two_phase.state_spec(c, layout, chunks)
     return {k: tf.Variable(s.initializer(s.shape, s.dtype), trainable=False)
-            for k, s in c.state_spec(layout).items()}
+            for k, s in spec.items()}
 
 
 def layout_of(x: tf.Tensor, shapes=None) -> C.Layout:
@@ -23,10 +25,10 @@ def layout_of(x: tf.Tensor, shapes=None) -> C.Layout:
 
 
 def context(state=None, seed=(1, 2), step=0, num_replicas=1, replica=0, layout=None,
-            mode=0) -> C.Context:
+            mode=0, chunks=None) -> C.Context:
     return C.Context(state=state or {}, step=tf.convert_to_tensor(step, tf.int64),
                      seed=tf.convert_to_tensor(seed, tf.int64), num_replicas=num_replicas,
-                     replica=replica, layout=layout, mode=mode)
+                     replica=replica, layout=layout, mode=mode, chunks=chunks)
 
 
 @dataclasses.dataclass
@@ -34,6 +36,7 @@ class Reduction:
     results: list[tf.Tensor]     # per replica
     payloads: list[tuple]        # per round: replica 0's message payload
     transports: list[str]        # per round
+    sent: int                    # bytes all replicas sent
     error_sq: tf.Tensor
     norm_sq: tf.Tensor
 
@@ -45,11 +48,16 @@ class Reduction:
 
 
 def reduce(c: C.Compressor, xs, states=None, *, shapes=None, step=0, seed=(1, 2),
-           mean=False) -> Reduction:
-    """One synchronisation of `xs` (one flat bucket per replica) through the driver."""
+           mean=False, two_phases=False) -> Reduction:
+    """One synchronisation of `xs` (one flat bucket per replica) through the driver;
+    with `two_phases`, its payloads travel in two phases (states from `make_state`
+    with each replica's chunks)."""
     layout = layout_of(xs[0], shapes)
-    states = states if states is not None else [make_state(c, layout) for _ in xs]
-    ctxs = [context(s, seed, step, len(xs), r, layout) for r, s in enumerate(states)]
+    chunks = [two_phase.split(layout, len(xs), r) if two_phases else None
+              for r in range(len(xs))]
+    states = states if states is not None else [make_state(c, layout, ch) for ch in chunks]
+    ctxs = [context(s, seed, step, len(xs), r, layout, chunks=ch)
+            for r, (s, ch) in enumerate(zip(states, chunks))]
     payloads, transports = [], []
 
     def exchange(messages):
@@ -58,7 +66,8 @@ def reduce(c: C.Compressor, xs, states=None, *, shapes=None, step=0, seed=(1, 2)
         return driver.local_exchange(messages)
 
     out = driver.run(c, list(xs), ctxs, exchange, mean=mean, measure_error=True)
-    return Reduction(out.results, payloads, transports, out.error_sq, out.norm_sq)
+    return Reduction(out.results, payloads, transports, int(out.bytes), out.error_sq,
+                     out.norm_sq)
 
 
 def roundtrip(c: C.Compressor, x: tf.Tensor, state=None, **kw) -> tf.Tensor:

@@ -6,6 +6,7 @@ that holds the model, the optimizer and the ops' compression state.
 
     python -m tf_gradsync.launch --num_workers=2 -- tests/_worker.py --out=DIR \
         --compression=topk --options='{"ratio": 0.05}' --steps=30 [--first_step=N]
+        [--exchange=two_phase]
         [--restore=PREFIX] [--save=DIR]
 """
 
@@ -35,13 +36,15 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--compression", required=True)
     p.add_argument("--options", default="{}")
+    p.add_argument("--exchange", default="auto")
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--first_step", type=int, default=0)
     p.add_argument("--restore", default=None, help="checkpoint prefix; {rank} is replaced")
     p.add_argument("--save", default=None, help="checkpoint directory; {rank} is replaced")
     a = p.parse_args()
     rank = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
-    ops = gs.CompressedAllReduce(gs.compression.get(a.compression, **json.loads(a.options)))
+    ops = gs.CompressedAllReduce(gs.compression.get(a.compression, **json.loads(a.options)),
+                                 exchange=a.exchange)
     strategy = gs.MultiWorkerMirroredStrategy(cross_device_ops=ops)
     model, opt = _regression.model_and_optimizer(strategy, 16, 4)
     step = _regression.train_step(strategy, model, opt)

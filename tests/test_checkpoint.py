@@ -215,8 +215,9 @@ def test_track_state_rejects_bad_input(devices):
 @pytest.mark.slow
 def test_multiworker_resume_from_each_workers_checkpoint_is_exact(tmp_path):
     # Each worker checkpoints its own model, optimizer and compression state (residuals
-    # differ per worker); resuming continues exactly like the uninterrupted job.
-    args = ["--compression=topk", '--options={"ratio": 0.05}']
+    # differ per worker; under two phases each also owns a chunk's server residual);
+    # resuming continues exactly like the uninterrupted job.
+    args = ["--compression=topk", '--options={"ratio": 0.05}', "--exchange=two_phase"]
     (tmp_path / "full").mkdir()
     (tmp_path / "first").mkdir()
     (tmp_path / "resumed").mkdir()

@@ -16,6 +16,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_gradsync.compression.base import Layout
+from tf_gradsync.config import check_bucket_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,9 +105,7 @@ def plan_buckets(specs: Sequence[tuple[Sequence[int], tf.DType]], bucket_bytes: 
       >>> [b.numel for b in plan.buckets]
       [16]
     """
-    if isinstance(bucket_bytes, (bool, np.bool_)) \
-            or not isinstance(bucket_bytes, (int, np.integer)) or bucket_bytes <= 0:
-        raise ValueError(f"bucket_bytes must be a positive integer, got {bucket_bytes!r}")
+    check_bucket_bytes(bucket_bytes)
     if isinstance(specs, (str, bytes)) or not isinstance(specs, Sequence):
         raise ValueError(f"specs must be a list of (shape, dtype) pairs, got {specs!r}")
     # Buckets are numbered by when they were opened, i.e. by when their first

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import os
 from typing import Any, Mapping
 
@@ -36,6 +37,7 @@ class SyncConfig:
     error_feedback: bool | None = None
     bucket_bytes: int = 32 * 2**20
     algorithm: str = "auto"
+    exchange: str = "auto"
     timeout_seconds: float | None = None
     warmup_steps: int = 0
 
@@ -50,22 +52,9 @@ class SyncConfig:
         # Built once here so that a bad option fails when the preset is read, not later
         # when the ops are created; compressors are plain Python objects, cheap to build.
         compression.get(self.compression, **dict(self.compression_options))
-        if not (self.error_feedback is None or isinstance(self.error_feedback, bool)):
-            raise ValueError(f"error_feedback must be true, false or null, "
-                             f"got {self.error_feedback!r}")
-        if isinstance(self.bucket_bytes, bool) or not isinstance(self.bucket_bytes, int) \
-                or self.bucket_bytes <= 0:
-            raise ValueError(f"bucket_bytes must be a positive integer, got {self.bucket_bytes!r}")
-        algorithms.validate(self.algorithm)
-        if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) \
-                or self.warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be a non-negative integer, got {self.warmup_steps!r}")
-        if self.timeout_seconds is not None and not (
-                isinstance(self.timeout_seconds, (int, float))
-                and not isinstance(self.timeout_seconds, bool)
-                and 0 < self.timeout_seconds < math.inf):
-            raise ValueError(f"timeout_seconds must be a positive number (finite) or null, "
-                             f"got {self.timeout_seconds!r}")
+        check_settings(error_feedback=self.error_feedback, bucket_bytes=self.bucket_bytes,
+                       algorithm=self.algorithm, exchange=self.exchange,
+                       timeout_seconds=self.timeout_seconds, warmup_steps=self.warmup_steps)
 
     def build(self):
         """Returns a `CompressedAllReduce` with these settings."""
@@ -73,8 +62,40 @@ class SyncConfig:
         return CompressedAllReduce(
             compression.get(self.compression, **dict(self.compression_options)),
             error_feedback=self.error_feedback, bucket_bytes=self.bucket_bytes,
-            algorithm=self.algorithm, timeout_seconds=self.timeout_seconds,
-            warmup_steps=self.warmup_steps)
+            algorithm=self.algorithm, exchange=self.exchange,
+            timeout_seconds=self.timeout_seconds, warmup_steps=self.warmup_steps)
+
+
+def check_bucket_bytes(bucket_bytes) -> None:
+    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, numbers.Integral) \
+            or bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be a positive integer, got {bucket_bytes!r}")
+
+
+def check_settings(*, error_feedback=None, bucket_bytes=32 * 2**20, algorithm="auto",
+                   exchange="auto", timeout_seconds=None, warmup_steps=0,
+                   measure_error=True) -> None:
+    """The checks of every setting of a `CompressedAllReduce` but the compressor: the
+    one place they live, for the constructor and for presets alike.
+
+    Raises:
+      ValueError: naming the bad value and what is allowed.
+    """
+    if not (error_feedback is None or isinstance(error_feedback, bool)):
+        raise ValueError(f"error_feedback must be True, False or None (true, false or null "
+                         f"in YAML), got {error_feedback!r}")
+    check_bucket_bytes(bucket_bytes)
+    algorithms.validate(algorithm)
+    algorithms.validate_exchange(exchange)
+    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+        raise ValueError(f"warmup_steps must be a non-negative integer, got {warmup_steps!r}")
+    if timeout_seconds is not None and (
+            isinstance(timeout_seconds, bool) or not isinstance(timeout_seconds, (int, float))
+            or not 0 < timeout_seconds < math.inf):
+        raise ValueError("timeout_seconds must be a positive, finite number of seconds or "
+                         f"None (null in YAML), got {timeout_seconds!r}")
+    if not isinstance(measure_error, bool):
+        raise ValueError(f"measure_error must be True or False, got {measure_error!r}")
 
 
 def parse_config(source: str | os.PathLike | Mapping[str, Any]) -> SyncConfig:

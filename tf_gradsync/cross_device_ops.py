@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import math
 from typing import Sequence
 
 import tensorflow as tf
 
-from tf_gradsync import _tf_compat, algorithms
+from tf_gradsync import _tf_compat
 from tf_gradsync.compression import Compressor, ErrorFeedback, Warmup, get
+from tf_gradsync.config import check_settings
 from tf_gradsync.pipeline import Pipeline, path_of
 from tf_gradsync.state import SyncState
 from tf_gradsync.stats import Stats
@@ -42,11 +42,18 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
       measure_error: compute each step's relative compression error for `stats()`
         (`comm_error`); it costs a decode of each replica's own payload and two norms
         per bucket where the compressor does not compute them anyway.
+      exchange: how payloads that cannot be summed (top-k, sign, int8, ...) travel:
+        "gather" (all-gather: each replica sends N-1 payloads and decodes N),
+        "two_phase" (each replica's chunk j goes to replica j, which sums and
+        re-compresses it with its own error feedback, then the reduced chunks are
+        all-gathered: 2(N-1)/N of a payload whatever N) or "auto" (per bucket, the
+        cheaper by predicted cost: gather at N = 2, two phases for large buckets
+        beyond).
       name: name of the module (for checkpoints).
 
     Raises:
-      ValueError: for an unknown compressor or algorithm, or a non-positive
-        `bucket_bytes`.
+      ValueError: for an unknown compressor, algorithm or exchange, or any other
+        setting outside its range (the message names it and what is allowed).
 
     Example:
       >>> ops = tf_gradsync.CompressedAllReduce("fp16", bucket_bytes=32 * 2**20)
@@ -59,26 +66,19 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
     def __init__(self, compression: str | Compressor = "none", *, bucket_bytes: int = 32 * 2**20,
                  algorithm: str = "auto", error_feedback: bool | None = None,
                  timeout_seconds: float | None = None, warmup_steps: int = 0,
-                 measure_error: bool = True, name: str | None = None):
+                 measure_error: bool = True, exchange: str = "auto", name: str | None = None):
         if name is not None and not isinstance(name, str):
             raise ValueError(f"name must be a string or None, got {name!r}")
         tf.distribute.CrossDeviceOps.__init__(self)
         tf.Module.__init__(self, name=name or "compressed_all_reduce")
-        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
-            raise ValueError(f"bucket_bytes must be a positive integer, got {bucket_bytes!r}")
-        if timeout_seconds is not None and (
-                isinstance(timeout_seconds, bool) or not isinstance(timeout_seconds, (int, float))
-                or not 0 < timeout_seconds < math.inf):
-            raise ValueError("timeout_seconds must be a positive, finite number of seconds or "
-                             f"None, got {timeout_seconds!r}")
-        if not isinstance(measure_error, bool):
-            raise ValueError(f"measure_error must be True or False, got {measure_error!r}")
+        check_settings(error_feedback=error_feedback, bucket_bytes=bucket_bytes,
+                       algorithm=algorithm, exchange=exchange, timeout_seconds=timeout_seconds,
+                       warmup_steps=warmup_steps, measure_error=measure_error)
         self._compressor = _with_error_feedback(get(compression), error_feedback)
-        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be a non-negative integer, got {warmup_steps!r}")
         if warmup_steps:
             self._compressor = Warmup(self._compressor, warmup_steps)
-        self._algorithm = algorithms.validate(algorithm)
+        self._algorithm = algorithm
+        self._exchange = exchange
         self._bucket_bytes = bucket_bytes
         # Every variable (compressor state, counters) lives in one tracked SyncState, so
         # checkpointing these ops (directly, or through `track_state(model, ops)`) saves it.
@@ -86,14 +86,16 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
         self._stats = Stats(self._state)
         self._pipeline = Pipeline(self._compressor, self._algorithm, bucket_bytes,
                                   self._stats, self._state, timeout_seconds or 0,
-                                  measure_error)
+                                  measure_error, exchange)
         self._exact_ops = None
 
-    def join_cluster(self, num_workers: int, exact_ops: tf.distribute.CrossDeviceOps) -> None:
+    def join_cluster(self, num_workers: int, exact_ops: tf.distribute.CrossDeviceOps,
+                     worker_index: int = 0) -> None:
         """Called by `tf_gradsync.MultiWorkerMirroredStrategy` when it adopts these ops.
 
         Args:
           num_workers: workers in the job, each with the same local devices.
+          worker_index: this worker's task id.
           exact_ops: the strategy's own collective ops, which keep serving everything
             that is not a compressible gradient all-reduce (metrics, integers,
             IndexedSlices, gathers, broadcasts) exactly; IndexedSlices values are
@@ -102,6 +104,7 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
         if self._exact_ops is not None and self._exact_ops is not exact_ops:
             raise ValueError("this CompressedAllReduce already belongs to another strategy")
         self._pipeline.num_workers = num_workers
+        self._pipeline.worker_index = worker_index
         self._exact_ops = exact_ops
 
     @property
@@ -118,6 +121,10 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
         return self._algorithm
 
     @property
+    def exchange(self) -> str:
+        return self._exchange
+
+    @property
     def bucket_bytes(self) -> int:
         return self._bucket_bytes
 
@@ -130,7 +137,7 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
 
     def __repr__(self) -> str:
         return (f"CompressedAllReduce({self._compressor!r}, bucket_bytes={self._bucket_bytes}, "
-                f"algorithm={self._algorithm!r})")
+                f"algorithm={self._algorithm!r}, exchange={self._exchange!r})")
 
     # ------------------------------------------------------------ CrossDeviceOps
     def reduce_implementation(self, reduce_op, per_replica_value, destinations, options):
@@ -228,8 +235,6 @@ def _cast_slices(slices, dtype: tf.DType) -> list:
 
 
 def _with_error_feedback(compressor: Compressor, error_feedback: bool | None) -> Compressor:
-    if not (error_feedback is None or isinstance(error_feedback, bool)):
-        raise ValueError(f"error_feedback must be True, False or None, got {error_feedback!r}")
     if isinstance(compressor, ErrorFeedback) or error_feedback is False:
         return compressor
     if error_feedback and compressor.has_own_memory:

@@ -21,7 +21,9 @@ import tensorflow as tf
 from tf_gradsync import _tf_compat, algorithms
 from tf_gradsync.algorithms import Wire
 from tf_gradsync.bucketing import Bucket, BucketPlan, plan_buckets
-from tf_gradsync.compression import GATHER, Compressor, Context, Message, NoCompression, driver
+from tf_gradsync.compression import (SCATTER, Compressor, Context, Message, NoCompression,
+                                     driver, two_phase)
+from tf_gradsync.compression import SUM as SUMMED
 from tf_gradsync.compression.base import replica_id
 from tf_gradsync.state import SyncState
 from tf_gradsync.stats import Stats
@@ -44,12 +46,15 @@ class Pipeline:
         and looked up afterwards.
       timeout: seconds after which a collective with a missing peer fails (0: never).
       measure_error: compute each step's compression error for the stats.
+      exchange: how payloads that cannot be summed travel: "gather", "two_phase" or
+        "auto" (per bucket, by `algorithms.choose_exchange`).
     """
 
     def __init__(self, compressor: Compressor, algorithm: str, bucket_bytes: int,
                  stats: Stats, state: SyncState, timeout: float = 0,
-                 measure_error: bool = True):
+                 measure_error: bool = True, exchange: str = "auto"):
         self.compressor = compressor
+        self.exchange = exchange
         self.measure_error = measure_error
         self.algorithm = algorithm
         self.bucket_bytes = bucket_bytes
@@ -61,6 +66,8 @@ class Pipeline:
         #: Workers taking part (set by a multi-worker strategy). Each has the same
         #: number of local devices; with more than one, exchanges cross workers.
         self.num_workers = 1
+        #: This worker's index among them (its task id).
+        self.worker_index = 0
 
     # ----------------------------------------------------------------- entry point
     def reduce(self, reduce_op, values: Sequence, destinations: Sequence[str],
@@ -183,36 +190,61 @@ class Pipeline:
                 xs: list[tf.Tensor], src: tuple[str, ...], step: tf.Tensor,
                 timeout: float) -> driver.Outcome:
         n = len(src) * self.num_workers
+        members = [self.worker_index * len(src) + r for r in range(len(src))]
         seed = tf.stack([tf.cast(step, tf.int64),
                          tf.constant(int(plan.fingerprint, 16) + bucket.id, tf.int64)])
         layout = bucket.layout
+        two = self.two_phase(compressor, bucket, n)
         ctxs = []
         for r, d in enumerate(src):
             compressor.check_input(xs[r])
-            ctxs.append(Context(state=self._state_for(compressor, plan, bucket, r, d), step=step,
-                                seed=seed, num_replicas=n, replica=replica_id(d),
-                                layout=layout))
+            chunks = two_phase.split(layout, n, members[r]) if two else None
+            ctxs.append(Context(state=self._state_for(compressor, plan, bucket, r, d, chunks),
+                                step=step, seed=seed, num_replicas=n, replica=replica_id(d),
+                                layout=layout, chunks=chunks))
 
         def exchange(messages: Sequence[Message]):
             wire = Wire()
-            payloads = [list(m.payload) for m in messages]
-            summable = messages[0].transport != GATHER
-            got = self._exchange(payloads, src, summable, wire, timeout)
-            got = ([tuple(p) for p in got] if summable
-                   else [[tuple(p) for p in parts] for parts in got])
-            return got, wire.static
+            return self._exchange(messages, src, members, wire, timeout), wire.static
 
         with tf.name_scope("rounds"):
             return driver.run(compressor, xs, ctxs, exchange, mean=reduce_op == MEAN,
                               devices=src,
                               measure_error=self.measure_error and compressor is self.compressor)
 
-    def _exchange(self, payloads: list[list[tf.Tensor]], devices: tuple[str, ...],
-                  summable: bool, wire: Wire, timeout: float) -> list:
-        """Runs the communication algorithm over one round's payloads."""
+    def two_phase(self, compressor: Compressor, bucket: Bucket, members: int) -> bool:
+        """Whether this bucket's gathered payloads travel in two phases."""
+        if compressor.summable or members < 2 or bucket.numel < members:
+            return False
+        # The payload is not known before it is built; "auto" prices the smallest one
+        # any compressor sends (1 bit per element), where extra rounds weigh most.
+        return algorithms.choose_exchange(self.exchange, members,
+                                          bucket.numel / 8) == "two_phase"
+
+    def _exchange(self, messages: Sequence[Message], devices: tuple[str, ...],
+                  members: list[int], wire: Wire, timeout: float) -> list:
+        """Moves one round's messages; returns what each local replica receives."""
+        first = messages[0]
+        size = len(devices) * self.num_workers
+        role = ("all", len(devices), self.num_workers)
+        if first.transport == SCATTER:
+            with tf.name_scope("all_to_all"):
+                return algorithms.pairwise.all_to_all([m.payload for m in messages], devices,
+                                                      members, size, wire, timeout)
+        if first.like is not None:
+            with tf.name_scope("gather"):
+                return algorithms.pairwise.gather_ragged(
+                    [m.payload for m in messages], first.like, devices, members, size, wire,
+                    timeout, role=role)
+        payloads = [list(m.payload) for m in messages]
+        summable = first.transport == SUMMED
         if self.num_workers > 1:
-            return self._exchange_across_workers(payloads, devices, summable, wire, timeout)
-        return self._exchange_local(payloads, devices, summable, wire, timeout, self.algorithm)
+            got = self._exchange_across_workers(payloads, devices, summable, wire, timeout)
+        else:
+            got = self._exchange_local(payloads, devices, summable, wire, timeout,
+                                       self.algorithm)
+        return ([tuple(p) for p in got] if summable
+                else [[tuple(p) for p in parts] for parts in got])
 
     @staticmethod
     def _exchange_local(payloads, devices, summable, wire, timeout, algorithm):
@@ -248,11 +280,16 @@ class Pipeline:
         return [leader] + [[wire.send(t, d) for t in leader] for d in devices[1:]]
 
     def _state_for(self, compressor: Compressor, plan: BucketPlan, bucket: Bucket,
-                   replica: int, device: str) -> dict[str, tf.Variable]:
-        specs = compressor.state_spec(bucket.layout)
+                   replica: int, device: str,
+                   chunks: two_phase.Chunks | None = None) -> dict[str, tf.Variable]:
+        if chunks is None:
+            specs, tag = compressor.state_spec(bucket.layout), ""
+        else:   # per chunk, and the owner's residual: shapes depend on the chunk count
+            specs = two_phase.state_spec(compressor, bucket.layout, chunks)
+            tag = f"x{chunks.count}_"
         state = {}
         for name, spec in specs.items():
-            key = f"{compressor.name}_{plan.fingerprint}_b{bucket.id}_r{replica}_{name}"
+            key = f"{compressor.name}_{plan.fingerprint}_b{bucket.id}_r{replica}_{tag}{name}"
             state[name] = self.state.variable(
                 key, lambda spec=spec: spec.initializer(spec.shape, spec.dtype), device)
         return state

@@ -76,7 +76,8 @@ class MultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
         if cross_device_ops is not None:
             extended = self.extended
             cross_device_ops.join_cluster(max(extended._num_workers, 1),  # pylint: disable=protected-access
-                                          extended._cross_device_ops)  # pylint: disable=protected-access
+                                          extended._cross_device_ops,  # pylint: disable=protected-access
+                                          extended._task_id or 0)  # pylint: disable=protected-access
             extended._cross_device_ops = cross_device_ops  # pylint: disable=protected-access
             _tf_compat.use_merge_call_for_all_reduce(extended)
 

@@ -1,14 +1,19 @@
 """Communication algorithms: stateless graph builders over per-device payload lists.
 
 Each algorithm offers `all_reduce` (for summable payloads) and `all_gather` (for the
-rest) with the signature `(payloads, devices, wire) -> per-device results`.
+rest) with the signature `(payloads, devices, wire) -> per-device results`; `pairwise`
+adds the all-to-all and the ragged all-gather of two-phase exchanges.
+
+Payloads that cannot be summed travel in one of two exchanges, chosen per bucket by
+their predicted cost (`exchange_cost`): "gather" (all-gather, each member decodes
+every payload) or "two_phase" (`tf_gradsync.compression.two_phase`).
 """
 
 from __future__ import annotations
 
 import types
 
-from tf_gradsync.algorithms import collective, ring, tree
+from tf_gradsync.algorithms import collective, pairwise, ring, tree
 from tf_gradsync.algorithms._common import Wire
 
 ALGORITHMS: dict[str, types.ModuleType] = {"ring": ring, "tree": tree, "collective": collective}
@@ -16,6 +21,13 @@ ALGORITHMS: dict[str, types.ModuleType] = {"ring": ring, "tree": tree, "collecti
 #: Below this payload size a bucket is latency-bound: halving-doubling's log2(N) steps
 #: beat the ring's N-1.
 TREE_MAX_BYTES = 256 * 1024
+
+
+#: Exchanges of payloads that cannot be summed.
+EXCHANGES = ("auto", "gather", "two_phase")
+#: What "auto" assumes of a link: latency per message and bandwidth.
+LATENCY_S = 50e-6
+BYTES_PER_S = 125e6
 
 
 def names() -> list[str]:
@@ -37,4 +49,36 @@ def choose(name: str, payload_bytes: int, num_devices: int) -> types.ModuleType:
     return ring
 
 
-__all__ = ["ALGORITHMS", "Wire", "choose", "names", "validate"]
+def validate_exchange(name: str) -> str:
+    if name not in EXCHANGES:
+        raise ValueError(f"unknown exchange {name!r}; valid exchanges: {', '.join(EXCHANGES)}")
+    return name
+
+
+def exchange_cost(kind: str, members: int, payload_bytes: float,
+                  latency_s: float = LATENCY_S, bytes_per_s: float = BYTES_PER_S) -> float:
+    """Predicted seconds one member spends moving a payload that cannot be summed.
+
+    Alpha-beta model: "gather" sends N-1 payloads in N-1 rounds; "two_phase" sends
+    2(N-1)/N of a payload in 2(N-1) rounds (all-to-all, then all-gather of chunks).
+    """
+    n = members
+    if kind == "gather":
+        return (n - 1) * (latency_s + payload_bytes / bytes_per_s)
+    if kind == "two_phase":
+        return 2 * (n - 1) * (latency_s + payload_bytes / n / bytes_per_s)
+    raise ValueError(f"unknown exchange {kind!r}; valid: gather, two_phase")
+
+
+def choose_exchange(name: str, members: int, payload_bytes: float) -> str:
+    """Resolves "auto" to the cheaper exchange; at N = 2 both move the same bytes and
+    gathering takes fewer rounds (and compresses once)."""
+    if name != "auto":
+        return name
+    if members <= 2:
+        return "gather"
+    return min(("gather", "two_phase"), key=lambda k: exchange_cost(k, members, payload_bytes))
+
+
+__all__ = ["ALGORITHMS", "EXCHANGES", "Wire", "choose", "choose_exchange", "exchange_cost",
+           "names", "pairwise", "validate", "validate_exchange"]

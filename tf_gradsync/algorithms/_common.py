@@ -63,3 +63,44 @@ def check_static(t: tf.Tensor) -> int:
     if n is None:
         raise ValueError(f"summable payloads need static shapes, got {t.shape}")
     return n
+
+
+def words_of(specs: Sequence[tf.TensorSpec]) -> int:
+    """How many int32 words `pack_words` needs for tensors of these specs."""
+    return sum(-(-spec.shape.num_elements() * spec.dtype.size // 4) for spec in specs)
+
+
+def pack_words(tensors: Sequence[tf.Tensor], length: int | None = None) -> tf.Tensor:
+    """The tensors' bits as one int32 vector (each tensor padded to whole words), then
+    zero-padded to `length` words: payloads of any dtypes and shapes in one tensor that
+    collectives carry, so replicas can exchange payloads of different shapes."""
+    words = []
+    for t in tensors:
+        flat = tf.reshape(t, [-1])
+        if t.dtype.size >= 4:
+            words.append(tf.reshape(tf.bitcast(flat, tf.int32), [-1]))
+            continue
+        per_word = 4 // t.dtype.size
+        flat = tf.concat([flat, tf.zeros([(-flat.shape[0]) % per_word], t.dtype)], 0)
+        words.append(tf.bitcast(tf.reshape(flat, [-1, per_word]), tf.int32))
+    out = tf.concat(words, 0) if words else tf.zeros([0], tf.int32)
+    if length is not None and length > out.shape[0]:
+        out = tf.concat([out, tf.zeros([length - out.shape[0]], tf.int32)], 0)
+    return out
+
+
+def unpack_words(words: tf.Tensor, specs: Sequence[tf.TensorSpec]) -> tuple[tf.Tensor, ...]:
+    """Inverse of `pack_words`: tensors of `specs` from the front of `words`."""
+    out, at = [], 0
+    for spec in specs:
+        n = spec.shape.num_elements()
+        size = -(-n * spec.dtype.size // 4)
+        chunk = words[at:at + size]
+        at += size
+        if spec.dtype.size >= 4:
+            flat = tf.bitcast(tf.reshape(chunk, [-1, spec.dtype.size // 4]) if spec.dtype.size > 4
+                              else chunk, spec.dtype)
+        else:
+            flat = tf.reshape(tf.bitcast(chunk, spec.dtype), [-1])[:n]
+        out.append(tf.reshape(flat, spec.shape))
+    return tuple(out)

@@ -21,7 +21,7 @@ from tf_gradsync.algorithms._common import DevicePayloads, Wire
 
 # Far above the group keys TensorFlow's own CollectiveAllReduce allocates from 1, so
 # both can live in one process without sharing a key for different device groups.
-_GROUP_KEY_BASE = 0x6A5000
+GROUP_KEY_BASE = 0x6A5000
 _INSTANCE_KEY_BASE = 0x6A5000
 _lock = threading.Lock()
 _instance_keys = itertools.count(_INSTANCE_KEY_BASE)
@@ -34,7 +34,7 @@ def group_key(role: Hashable) -> int:
     Derived rather than allocated so that every worker computes the same key for the
     same group whatever else it traced before.
     """
-    return _GROUP_KEY_BASE + zlib.crc32(repr(role).encode()) % (1 << 20)
+    return GROUP_KEY_BASE + zlib.crc32(repr(role).encode()) % (1 << 20)
 
 
 def ordering_token(device: str) -> tf.Tensor:

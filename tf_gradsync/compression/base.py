@@ -29,9 +29,13 @@ Payload = tuple[tf.Tensor, ...]
 
 #: Transports of a round's payload. SUM: added elementwise on the wire (all-reduce);
 #: the sum decodes to the sum of the inputs. GATHER: every replica's payload reaches
-#: every replica (all-gather), which decodes each and adds them up.
+#: every replica (all-gather), which decodes each and adds them up. SCATTER: the
+#: payload is one part per replica, part j goes to replica j (all-to-all), and each
+#: replica receives the parts addressed to it by every replica.
 SUM = "sum"
 GATHER = "gather"
+SCATTER = "scatter"
+TRANSPORTS = (SUM, GATHER, SCATTER)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +112,9 @@ class Context:
         builds (see `Compressor.mode`).
       errors: where `record_error` collects this replica's compression error terms;
         None: errors are not measured.
+      chunks: set when this bucket is exchanged in two phases
+        (`tf_gradsync.compression.two_phase`): its chunks and which one this replica
+        owns; None: one round for the whole bucket.
     """
 
     state: Mapping[str, tf.Variable] = dataclasses.field(default_factory=dict)
@@ -118,6 +125,7 @@ class Context:
     layout: Layout | None = None
     mode: int = 0
     errors: list | None = dataclasses.field(default=None, compare=False)
+    chunks: Any = None
 
     def layout_of(self, x: tf.Tensor) -> Layout:
         """The bucket's layout, or one flat tensor of `x`'s length when none was given."""
@@ -148,16 +156,25 @@ class Message:
     """One round's payload and how it travels.
 
     Attributes:
-      payload: the tensors to send; static shapes.
-      transport: `SUM` (all-reduce) or `GATHER` (all-gather).
+      payload: the tensors to send, static shapes; for `SCATTER`, a tuple of such
+        payloads, one per replica.
+      transport: `SUM` (all-reduce), `GATHER` (all-gather) or `SCATTER` (all-to-all).
+      like: for a `GATHER` whose payloads differ between replicas, one `tf.TensorSpec`
+        tuple per replica describing its payload (None: every replica's payload has
+        this one's shapes).
     """
 
     payload: Payload
     transport: str
+    like: tuple | None = None
 
     def __post_init__(self):
-        if self.transport not in (SUM, GATHER):
-            raise ValueError(f"transport must be {SUM!r} or {GATHER!r}, got {self.transport!r}")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
+
+    def parts(self) -> tuple[Payload, ...]:
+        """The payloads this message sends: one, or one per replica for `SCATTER`."""
+        return tuple(self.payload) if self.transport == SCATTER else (self.payload,)
 
 
 #: What a round receives: for SUM, the summed payload; for GATHER, every replica's payload.
@@ -210,8 +227,10 @@ class Compressor(abc.ABC):
     def rounds(self, x: tf.Tensor, ctx: Context) -> Rounds:
         """The round protocol: yields `Message`s, receives them exchanged, returns the sum.
 
-        The default is one round of `compress`; the result is the decompressed sum
-        (SUM) or the sum of every replica's decompressed payload (GATHER).
+        The default is one round of `encode`; the result is the decompressed sum
+        (SUM) or the sum of every replica's decompressed payload (GATHER). A gathered
+        bucket whose context has `chunks` is exchanged in two phases instead
+        (`tf_gradsync.compression.two_phase`).
 
         Args:
           x: this replica's flat bucket.
@@ -221,6 +240,20 @@ class Compressor(abc.ABC):
           A generator; its return value is the reduced bucket (the sum over replicas
           of what their payloads decode to), identical on every replica.
         """
+        if ctx.chunks is not None and not self.summable:
+            from tf_gradsync.compression import two_phase  # pylint: disable=import-outside-toplevel
+            return (yield from two_phase.rounds(self, x, ctx))
+        payload, meta = self.encode(x, ctx)
+        received = yield Message(payload, SUM if self.summable else GATHER)
+        reduced = self.combine(received, meta)
+        self.observe(reduced, ctx)
+        return reduced
+
+    def encode(self, x: tf.Tensor, ctx: Context) -> tuple[Payload, Any]:
+        """`compress` with whatever memory the compressor keeps, and its error recorded.
+
+        `ErrorFeedback` overrides it to compress x plus its residual.
+        """
         recorded = len(ctx.errors) if ctx.errors is not None else 0
         payload, meta = self.compress(x, ctx)
         payload = tuple(payload)
@@ -228,10 +261,17 @@ class Compressor(abc.ABC):
         # accumulated velocity); otherwise x against what the payload decodes to.
         if ctx.errors is not None and len(ctx.errors) == recorded:
             ctx.record_error(x, self.decompress(payload, meta))
-        received = yield Message(payload, SUM if self.summable else GATHER)
-        reduced = self.combine(received, meta)
-        self.observe(reduced, ctx)
-        return reduced
+        return payload, meta
+
+    def codec(self) -> "Compressor":
+        """The memoryless codec of this compressor's payload (itself by default).
+
+        A two-phase exchange re-compresses each reduced chunk with it (with its own
+        error feedback) and decodes with this compressor's meta, so its payloads must
+        have the shapes and meaning of this compressor's. Compressors whose
+        `compress` updates state (DGC's momentum) return a stateless form.
+        """
+        return self
 
     def combine(self, received: Received, meta: Any) -> tf.Tensor:
         """Decodes what a one-round exchange delivered into the reduced bucket."""
@@ -348,6 +388,15 @@ class Wrapper(Compressor):
 
     def payload_bytes(self, payload: Sequence[tf.Tensor]) -> int:
         return self.inner.payload_bytes(payload)
+
+    def decompress(self, payload: Sequence[tf.Tensor], meta: Any) -> tf.Tensor:
+        return self.inner.decompress(payload, meta)
+
+    def combine(self, received: Received, meta: Any) -> tf.Tensor:
+        return self.inner.combine(received, meta)
+
+    def codec(self) -> Compressor:
+        return self.inner.codec()
 
 
 def nbytes(tensors: Sequence[tf.Tensor]) -> int:

@@ -128,14 +128,7 @@ class DGC(Compressor):
             g = tf.clip_by_norm(g, self.clip_norm / math.sqrt(ctx.num_replicas))
         u_new = self.momentum * u + g
         v_new = v + u_new
-        seed = tf.convert_to_tensor(ctx.seed, tf.int64)
-        idx, valid = _util.top_per_segment(
-            tf.abs(v_new), seg, _util.counts(self.ratios[ctx.mode], seg),
-            lambda m, k: _util.select(m, k, seed, self.sample_ratio))
-        values = tf.gather(v_new, idx)
-        if valid is None:
-            valid = tf.ones_like(idx, tf.bool)
-        values = tf.cast(tf.where(valid, values, 0), x.dtype)
+        values, idx, valid = self._select(v_new, seg, ctx, x.dtype)
         sent = _util.scatter(values, idx, n, wd)     # padding adds 0 at index 0
         was_sent = _util.scatter(tf.cast(valid, wd), idx, n, wd) > 0
         finite = tf.reduce_all(tf.math.is_finite(v_new))
@@ -146,10 +139,44 @@ class DGC(Compressor):
         bad = tf.where(finite, tf.constant(0, x.dtype), tf.constant(math.nan, x.dtype))
         return (values + bad, idx), (n, x.dtype)
 
+    def _select(self, v: tf.Tensor, seg: _util.Segments, ctx: Context, dtype: tf.DType):
+        """The largest entries of `v` per tensor at this mode's ratio: `(values in
+        `dtype`, int32 indices, which slots hold a selected entry)`."""
+        seed = tf.convert_to_tensor(ctx.seed, tf.int64)
+        idx, valid = _util.top_per_segment(
+            tf.abs(v), seg, _util.counts(self.ratios[ctx.mode], seg),
+            lambda m, k: _util.select(m, k, seed, self.sample_ratio))
+        if valid is None:
+            valid = tf.ones_like(idx, tf.bool)
+        return tf.cast(tf.where(valid, tf.gather(v, idx), 0), dtype), idx, valid
+
     def decompress(self, payload: Sequence[tf.Tensor], meta) -> tf.Tensor:
         """Scatters the values into zeros of the bucket's length and dtype."""
         n, dtype = meta
         return _util.scatter(payload[0], payload[1], n, dtype)
+
+    def codec(self) -> Compressor:
+        """DGC's selection without its momentum and accumulation: a reduced chunk's
+        largest entries at this mode's ratio, DGC's payload and meta."""
+        return _Selection(self)
+
+
+class _Selection(Compressor):
+    """The memoryless codec of a `DGC` (see `DGC.codec`)."""
+
+    summable = False
+    unbiased = False
+
+    def __init__(self, dgc: DGC):
+        self.dgc = dgc
+
+    def compress(self, x: tf.Tensor, ctx: Context):
+        seg = _util.Segments.of(ctx.layout_of(x))
+        values, idx, _ = self.dgc._select(x, seg, ctx, x.dtype)  # pylint: disable=protected-access
+        return (values, idx), (seg.numel, x.dtype)
+
+    def decompress(self, payload: Sequence[tf.Tensor], meta) -> tf.Tensor:
+        return self.dgc.decompress(payload, meta)
 
 
 def _optimizer_momentum(optimizer: Any) -> tuple[str, float]:

@@ -12,11 +12,14 @@ from typing import Callable, Sequence
 
 import tensorflow as tf
 
-from tf_gradsync.compression.base import GATHER, SUM, Compressor, Context, Message, nbytes
+from tf_gradsync.compression import two_phase
+from tf_gradsync.compression.base import (GATHER, SCATTER, SUM, Compressor, Context, Message,
+                                          nbytes)
 
 #: `exchange(messages) -> (received, bytes)`: one message per replica (same round), what
 #: each replica receives (SUM: the summed payload; GATHER: every replica's payload, in
-#: replica order), and the bytes all replicas together sent (a Python int).
+#: replica order; SCATTER: the parts addressed to it, in replica order), and the bytes
+#: all replicas together sent (a Python int).
 Exchange = Callable[[Sequence[Message]], tuple[list, int]]
 
 
@@ -72,7 +75,7 @@ def run(compressor: Compressor, xs: Sequence[tf.Tensor], ctxs: Sequence[Context]
         sent[mode] = bytes_
         return results, errors
 
-    index = _on(devices[0], lambda: compressor.mode(ctxs[0]))
+    index = _on(devices[0], lambda: compressor.mode(two_phase.mode_context(ctxs[0])))
     if index is None:
         (results, (err, norm)), total = one_mode(0), sent[0]
     else:
@@ -136,11 +139,18 @@ def _check_round(compressor: Compressor, messages: Sequence[Message]) -> None:
     for m in messages:
         if not isinstance(m, Message):
             raise ValueError(f"{compressor!r}: a round must yield a Message, got {m!r}")
-        if m.transport != first.transport or [(t.shape, t.dtype) for t in m.payload] != \
-                [(t.shape, t.dtype) for t in first.payload]:
+        # Payloads of a two-phase gather differ between replicas as their `like` says.
+        same = (m.like == first.like if m.like is not None else
+                [_specs(p) for p in m.parts()] == [_specs(p) for p in first.parts()])
+        if m.transport != first.transport or not same:
             raise ValueError(f"{compressor!r}: replicas sent different payloads in one round: "
                              f"{first} vs {m}")
-    nbytes(first.payload)    # static shapes, or a clear error
+    for part in first.parts():
+        nbytes(part)    # static shapes, or a clear error
+
+
+def _specs(payload) -> list:
+    return [(t.shape, t.dtype) for t in payload]
 
 
 def _on(device, fn):
@@ -167,14 +177,19 @@ def local_exchange(messages: Sequence[Message]) -> tuple[list, int]:
     """An exchange among replicas of one process without devices: sums and lists.
 
     Bytes are those of a ring: 2(N-1)/N of a summed payload and N-1 copies of a
-    gathered one, per replica.
+    gathered one, per replica; a scattered payload sends each part but its own once.
     """
     n = len(messages)
-    size = nbytes(messages[0].payload)
-    if messages[0].transport == SUM:
+    transport = messages[0].transport
+    if transport == SUM:
+        size = nbytes(messages[0].payload)
         total = [tf.add_n(list(ts)) if n > 1 else ts[0]
                  for ts in zip(*(m.payload for m in messages))]
         return [tuple(total)] * n, 2 * (n - 1) * size
-    assert messages[0].transport == GATHER
+    if transport == SCATTER:
+        sent = sum(nbytes(p) for r, m in enumerate(messages)
+                   for j, p in enumerate(m.payload) if j != r)
+        return [[m.payload[j] for m in messages] for j in range(n)], sent
+    assert transport == GATHER
     parts = [m.payload for m in messages]
-    return [parts] * n, n * (n - 1) * size
+    return [parts] * n, (n - 1) * sum(nbytes(p) for p in parts)

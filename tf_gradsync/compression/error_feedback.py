@@ -9,12 +9,13 @@ References:
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import tensorflow as tf
 
 from tf_gradsync.compression import _util
-from tf_gradsync.compression.base import (GATHER, SUM, Compressor, Context, Layout, Message,
-                                          Rounds, StateSpec, Wrapper, get)
+from tf_gradsync.compression.base import (Compressor, Context, Layout, Payload, StateSpec,
+                                          Wrapper, get)
 
 _INNER = "inner_"
 
@@ -74,17 +75,16 @@ class ErrorFeedback(Wrapper):
     def mode(self, ctx: Context) -> tf.Tensor | None:
         return self.inner.mode(self._inner_ctx(ctx))
 
-    def rounds(self, x: tf.Tensor, ctx: Context) -> Rounds:
+    def encode(self, x: tf.Tensor, ctx: Context) -> tuple[Payload, Any]:
         """Compresses x + residual with the inner codec; stores the new residual."""
-        inner_ctx = self._inner_ctx(ctx)
         residual = ctx.state["residual"]
         e = tf.cast(x, residual.dtype) + residual
-        payload, meta = self.inner.compress(tf.cast(e, x.dtype), inner_ctx)
+        payload, meta = self.inner.compress(tf.cast(e, x.dtype), self._inner_ctx(ctx))
         local = tf.cast(self.inner.decompress(payload, meta), residual.dtype)
         new = e - local
         residual.assign(tf.where(tf.reduce_all(tf.math.is_finite(new)), new, 0))
         ctx.record_error(e, local)
-        received = yield Message(tuple(payload), SUM if self.summable else GATHER)
-        reduced = self.inner.combine(received, meta)
-        self.inner.observe(reduced, inner_ctx)
-        return reduced
+        return tuple(payload), meta
+
+    def observe(self, reduced: tf.Tensor, ctx: Context) -> None:
+        self.inner.observe(reduced, self._inner_ctx(ctx))

@@ -1,0 +1,261 @@
+"""Two-phase exchange (scatter-reduce with server-side error feedback, then all-gather):
+chunking, the pairing schedule, a numpy model, conservation of every compressor's
+gradient mass, bytes, and the pipeline on four devices against the driver."""
+
+import math
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_gradsync as gs
+from tf_gradsync import algorithms
+from tf_gradsync import compression as C
+from tf_gradsync.algorithms.pairwise import tournament
+from tf_gradsync.compression import two_phase
+from _compress import make_state, reduce
+from test_cross_device_ops import _crossing_edges
+
+SHAPES = ((3, 3, 2, 4), (4,), (0, 5), (50, 10), (10,), ())
+LAYOUT = C.Layout(SHAPES)
+#: Compressors whose payloads are gathered: the ones two phases are for.
+GATHERED = [n for n in C.names() if not gs.CompressedAllReduce(n).compressor.summable]
+
+
+def test_gathered_compressors_are_the_expected_ones():
+    assert set(GATHERED) == {"adaptive", "dgc", "int8", "onebit", "qsgd", "sign", "terngrad",
+                             "threshold", "topk"}
+
+
+def test_split_cuts_tensors_into_pieces_and_keeps_whole_ones():
+    chunks = two_phase.split(C.Layout(((2, 3), (4,))), 2, member=1)
+    assert chunks.offsets == (0, 5) and chunks.member == 1
+    assert [c.shapes for c in chunks.layouts] == [((5,),), ((1,), (4,))]
+    for parts in range(1, 9):
+        chunks = two_phase.split(LAYOUT, parts)
+        sizes = [c.numel for c in chunks.layouts]
+        assert sum(sizes) == LAYOUT.numel and max(sizes) - min(sizes) <= 1
+        assert list(chunks.offsets) == list(np.cumsum([0] + sizes[:-1]))
+        # Piece by piece, the chunks hold exactly the bucket's tensors, in order.
+        pieces = [s for c in chunks.layouts for s in c.sizes]
+        edges = sorted(set(np.cumsum(pieces)) | set(np.cumsum(LAYOUT.sizes)))
+        assert set(np.cumsum(LAYOUT.sizes)) <= set(np.cumsum(pieces)) and edges[-1] == 587
+        for c in chunks.layouts:
+            for shape in c.shapes:
+                assert shape in SHAPES or len(shape) == 1
+    with pytest.raises(ValueError, match="5 elements cannot be cut into 8 chunks"):
+        two_phase.split(C.Layout.flat(5), 8)
+
+
+@pytest.mark.parametrize("members", range(2, 10))
+def test_tournament_pairs_every_two_members_once(members):
+    rounds = tournament(members)
+    assert len(rounds) == members - 1 + members % 2
+    met = [p for r in rounds for p in r]
+    assert sorted(met) == [(a, b) for a in range(members) for b in range(a + 1, members)]
+    for r in rounds:
+        seen = [m for p in r for m in p]
+        assert len(seen) == len(set(seen))
+
+
+def _topk(x, layout, ratio):
+    out = np.zeros_like(x)
+    for o, s in zip(layout.offsets, layout.sizes):
+        if s:
+            k = min(s, max(1, math.ceil(ratio * s)))
+            keep = o + np.argsort(-np.abs(x[o:o + s]), kind="stable")[:k]
+            out[keep] = x[keep]
+    return out
+
+
+def test_topk_two_phases_match_a_numpy_model():
+    n, ratio, steps = 3, 0.1, 3
+    c = C.ErrorFeedback(C.get("topk", ratio=ratio))
+    chunks = [two_phase.split(LAYOUT, n, r) for r in range(n)]
+    states = [make_state(c, LAYOUT, ch) for ch in chunks]
+    worker = np.zeros((n, LAYOUT.numel))       # each replica's residual, chunk by chunk
+    server = np.zeros(LAYOUT.numel)            # each owner's residual, at its chunk
+    rng = np.random.default_rng(0)
+    for step in range(steps):
+        xs = rng.standard_normal((n, LAYOUT.numel)).astype(np.float32)
+        got = reduce(c, [tf.constant(x) for x in xs], states, shapes=SHAPES, step=step,
+                     two_phases=True)
+        want = np.zeros(LAYOUT.numel)
+        for j in range(n):
+            lo, hi = chunks[0].bounds(j)
+            lay = chunks[0].layouts[j]
+            sent = []
+            for r in range(n):
+                e = xs[r, lo:hi] + worker[r, lo:hi]
+                sent.append(_topk(e, lay, ratio))
+                worker[r, lo:hi] = e - sent[-1]
+            total = np.sum(sent, 0) + server[lo:hi]
+            want[lo:hi] = _topk(total, lay, ratio)
+            server[lo:hi] = total - want[lo:hi]
+        for r in range(n):
+            np.testing.assert_allclose(got.results[r].numpy(), want, rtol=1e-5, atol=1e-6)
+        assert got.transports == [C.SCATTER, C.GATHER]
+
+
+def _residual_mass(states, n):
+    """The sum of every residual, placed in the bucket: the workers' (one per chunk)
+    and the owners' (each at the chunk it owns); DGC's accumulated velocity is one."""
+    total = np.zeros(LAYOUT.numel)
+    for r, state in enumerate(states):
+        chunks = two_phase.split(LAYOUT, n, r)
+        for key, v in state.items():
+            j, name = (r, key) if key == two_phase.SERVER else (int(key[1:key.index("_")]),
+                                                                key[key.index("_") + 1:])
+            if name in ("residual", "v", two_phase.SERVER):
+                lo, hi = chunks.bounds(j)
+                total[lo:hi] += v.numpy()
+    return total
+
+
+@pytest.mark.parametrize("name", GATHERED)
+def test_every_gathered_compressor_conserves_mass_and_agrees(name):
+    """Inputs plus old residuals equal the result plus new residuals (worker-side and
+    owner-side error feedback lose nothing), and every replica gets the same result.
+    Unbiased compressors run under error feedback here: without it, what a worker's
+    rounding loses is noise that is not kept anywhere."""
+    n = 4
+    if name == "dgc":       # DGC keeps its own memory, v; without momentum it is a residual
+        c = C.get(name, momentum=0.0)
+    else:
+        c = gs.CompressedAllReduce(name, error_feedback=True).compressor
+    states = [make_state(c, LAYOUT, two_phase.split(LAYOUT, n, r)) for r in range(n)]
+    keys = states[0].keys()
+    assert two_phase.SERVER in keys and all(k.startswith("c") for k in keys
+                                            if k != two_phase.SERVER)
+    rng = np.random.default_rng(1)
+    mass = np.zeros(LAYOUT.numel)
+    for step in range(3):
+        xs = rng.standard_normal((n, LAYOUT.numel)) * np.repeat([1, 1e-3, 1, 1e3, 1e-2, 5],
+                                                                LAYOUT.sizes)
+        got = reduce(c, [tf.constant(x, tf.float32) for x in xs], states, shapes=SHAPES,
+                     step=step, two_phases=True)
+        for r in range(1, n):
+            np.testing.assert_array_equal(got.results[r].numpy(), got.results[0].numpy())
+        mass = mass + xs.sum(0)
+        left = _residual_mass(states, n)
+        np.testing.assert_allclose(got.results[0].numpy().astype(np.float64) + left, mass,
+                                   rtol=1e-4, atol=1e-4 * np.abs(mass).max())
+        mass = left
+
+
+@pytest.mark.parametrize("name", ["int8", "sign", "topk", "qsgd", "terngrad", "onebit"])
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_bytes_are_two_n_minus_one_over_n_of_a_payload(name, n):
+    """Each replica sends 2(N-1)/N of the payload it would gather, within 5%, plus the
+    statistics of the tensors a chunk boundary cuts in two."""
+    shapes = ((64, 3, 3, 32), (128,), (256, 300))
+    layout = C.Layout(shapes)
+    c = gs.CompressedAllReduce(name).compressor
+    xs = [tf.random.stateless_normal([layout.numel], (r, 0)) for r in range(n)]
+    gathered = reduce(c, xs, shapes=shapes)
+    payload = C.nbytes(gathered.payloads[0])
+    assert gathered.sent == n * (n - 1) * payload
+    two = reduce(c, xs, shapes=shapes, two_phases=True)
+    per_replica = two.sent / n
+    assert per_replica <= 1.05 * 2 * (n - 1) / n * payload, (per_replica, payload)
+    assert per_replica >= 0.95 * 2 * (n - 1) / n * payload
+
+
+def test_auto_picks_gather_at_two_and_two_phases_for_large_buckets_beyond():
+    assert algorithms.choose_exchange("auto", 2, 1e9) == "gather"
+    assert algorithms.choose_exchange("auto", 4, 1e6) == "two_phase"
+    assert algorithms.choose_exchange("auto", 64, 100) == "gather"       # latency-bound
+    assert algorithms.choose_exchange("gather", 64, 1e9) == "gather"
+    for n in (3, 8, 64):
+        ratio = (algorithms.exchange_cost("gather", n, 1e9, latency_s=0)
+                 / algorithms.exchange_cost("two_phase", n, 1e9, latency_s=0))
+        assert ratio == pytest.approx(n / 2)
+
+
+@pytest.mark.parametrize("name", ["sign", "topk", "int8"])
+def test_pipeline_on_four_devices_matches_the_driver(devices, name):
+    """Device copies and the in-process exchange give the driver's result; the bytes
+    `stats()` counts are the driver's; only payload crosses devices."""
+    ops = gs.CompressedAllReduce(name, exchange="two_phase", bucket_bytes=1 << 20)
+    strategy = tf.distribute.MirroredStrategy(devices, cross_device_ops=ops)
+    shapes = [(24, 16), (16,), (5, 5, 3)]
+    rng = np.random.default_rng(2)
+    grads = [[rng.standard_normal(s).astype(np.float32) for s in shapes] for _ in devices]
+
+    def value(ctx, k):
+        r = ctx.replica_id_in_sync_group
+        with tf.device(devices[r]):
+            return tf.identity(grads[r][k])
+
+    values = [strategy.experimental_distribute_values_from_function(lambda ctx, k=k: value(ctx, k))
+              for k in range(len(shapes))]
+    assert [v.device for v in values[0].values] == [strategy.extended.worker_devices[r]
+                                                    for r in range(len(devices))]
+
+    @tf.function
+    def step():
+        return strategy.extended.batch_reduce_to(tf.distribute.ReduceOp.SUM,
+                                                 [(v, v) for v in values])
+
+    outs = [[t.numpy() for t in strategy.experimental_local_results(o)] for o in step()]
+    for per_replica in outs:
+        for other in per_replica[1:]:
+            np.testing.assert_array_equal(other, per_replica[0])
+    # The driver with the same compressor, on the same bucket (the plan puts the last
+    # tensor first, as backprop produces it); int8's stochastic rounding draws from
+    # each device's own seed, so it is compared in distribution.
+    (bucket,) = gs.plan_buckets([(s, tf.float32) for s in shapes], 1 << 20).buckets
+    assert bucket.layout.shapes == tuple(reversed(shapes))
+    got = np.concatenate([o[0].ravel() for o in reversed(outs)])
+    xs = [tf.constant(np.concatenate([g.ravel() for g in reversed(gr)])) for gr in grads]
+    want = reduce(ops.compressor, xs, shapes=bucket.layout.shapes, two_phases=True)
+    exact = np.sum([x.numpy() for x in xs], 0)
+    if name == "int8":
+        assert np.linalg.norm(got - exact) < 0.05 * np.linalg.norm(exact)
+    else:
+        np.testing.assert_allclose(got, want.results[0].numpy(), rtol=1e-5, atol=1e-5)
+    assert ops.stats()["last_bytes_sent"] == want.sent // len(devices)    # per replica
+
+    edges = _crossing_edges(step.get_concrete_function().graph)
+    assert edges
+    assert all(t.dtype != tf.float32 or t.shape.num_elements() <= 64 for t, _, _ in edges), \
+        [(t.name, t.dtype.name, t.shape) for t, _, _ in edges if t.dtype == tf.float32]
+
+
+@pytest.mark.slow
+def test_three_workers_match_three_devices_of_one_process(tmp_path, devices):
+    """Pairwise collectives across worker processes compute what copies between the
+    devices of one process compute, and the workers agree step by step."""
+    import _regression
+    import _worker
+    steps, workers = 8, 3
+    runs = _worker.launch(tmp_path, "--compression=sign", "--exchange=two_phase",
+                          f"--steps={steps}", workers=workers)
+    for run in runs[1:]:
+        assert run["fingerprints"] == runs[0]["fingerprints"]
+
+    ops = gs.CompressedAllReduce("sign", exchange="two_phase")
+    strategy = tf.distribute.MirroredStrategy(devices[:workers], cross_device_ops=ops)
+    model, opt = _regression.model_and_optimizer(strategy, 16, 4)
+    step = _regression.train_step(strategy, model, opt)
+
+    def batch(s, k):
+        def fn(ctx):
+            r = ctx.replica_id_in_sync_group
+            rng = np.random.default_rng([r, s])
+            x, y = rng.normal(size=(8, 16)), rng.normal(size=(8, 4))
+            with tf.device(strategy.extended.worker_devices[r]):
+                return tf.identity(tf.constant((x, y)[k], tf.float32))
+        return strategy.experimental_distribute_values_from_function(fn)
+
+    for s in range(steps):
+        step(batch(s, 0), batch(s, 1))
+    for got, want in zip(runs[0]["weights"], model.get_weights()):
+        np.testing.assert_allclose(np.array(got), want, rtol=1e-5, atol=1e-6)
+    # The same payloads; across workers they travel packed into words, padded to the
+    # longer of two chunks' payloads.
+    sent, ref = runs[0]["stats"]["last_bytes_sent"], ops.stats()["last_bytes_sent"]
+    assert ref <= sent <= 1.05 * ref
