@@ -148,9 +148,11 @@ def test_every_gathered_compressor_conserves_mass_and_agrees(name):
 
 @pytest.mark.parametrize("name", ["int8", "sign", "topk", "qsgd", "terngrad", "onebit"])
 @pytest.mark.parametrize("n", [2, 4, 8])
-def test_bytes_are_two_n_minus_one_over_n_of_a_payload(name, n):
-    """Each replica sends 2(N-1)/N of the payload it would gather, within 5%, plus the
-    statistics of the tensors a chunk boundary cuts in two."""
+def test_bytes_are_n_minus_one_over_n_of_a_payload_per_phase(name, n):
+    """Each replica sends (N-1)/N of its chunks' payloads and (N-1)/N of the owners'
+    re-compressed chunks; the chunks weigh the bucket's payload within 5% (statistics of
+    tensors a chunk boundary cuts in two); where the owner re-compresses with the
+    compressor's own codec, that is 2(N-1)/N of the payload."""
     shapes = ((64, 3, 3, 32), (128,), (256, 300))
     layout = C.Layout(shapes)
     c = gs.CompressedAllReduce(name).compressor
@@ -158,17 +160,26 @@ def test_bytes_are_two_n_minus_one_over_n_of_a_payload(name, n):
     gathered = reduce(c, xs, shapes=shapes)
     payload = C.nbytes(gathered.payloads[0])
     assert gathered.sent == n * (n - 1) * payload
+    whole, chunks, server = two_phase.payload_bytes(c, layout, n)
+    assert whole == payload and payload <= chunks <= 1.05 * payload
     two = reduce(c, xs, shapes=shapes, two_phases=True)
     per_replica = two.sent / n
-    assert per_replica <= 1.05 * 2 * (n - 1) / n * payload, (per_replica, payload)
-    assert per_replica >= 0.95 * 2 * (n - 1) / n * payload
+    assert per_replica == pytest.approx((n - 1) / n * (chunks + server), rel=0.01)
+    if name in ("sign", "onebit"):      # one bit per entry out, int8 back
+        assert server == two_phase.payload_bytes(C.get("int8"), layout, n)[1]
+    else:
+        assert server == chunks
+        assert per_replica <= 1.05 * 2 * (n - 1) / n * payload
 
 
-def test_auto_picks_gather_at_two_and_two_phases_for_large_buckets_beyond():
+def test_auto_prices_both_exchanges():
     assert algorithms.choose_exchange("auto", 2, 1e9) == "gather"
     assert algorithms.choose_exchange("auto", 4, 1e6) == "two_phase"
     assert algorithms.choose_exchange("auto", 64, 100) == "gather"       # latency-bound
     assert algorithms.choose_exchange("gather", 64, 1e9) == "gather"
+    # One bit out and eight back pays from six replicas on.
+    assert algorithms.choose_exchange("auto", 4, 1e6, 1e6, 4e6) == "gather"
+    assert algorithms.choose_exchange("auto", 6, 1e6, 1e6, 4e6) == "two_phase"
     for n in (3, 8, 64):
         ratio = (algorithms.exchange_cost("gather", n, 1e9, latency_s=0)
                  / algorithms.exchange_cost("two_phase", n, 1e9, latency_s=0))

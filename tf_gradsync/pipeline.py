@@ -62,6 +62,7 @@ class Pipeline:
         self.state = state
         self.timeout = timeout
         self._plans: dict[tuple, BucketPlan] = {}
+        self._sizes: dict[tuple, tuple[int, int, int]] = {}   # two_phase.payload_bytes
         self._exact = NoCompression()
         #: Workers taking part (set by a multi-worker strategy). Each has the same
         #: number of local devices; with more than one, exchanges cross workers.
@@ -216,10 +217,12 @@ class Pipeline:
         """Whether this bucket's gathered payloads travel in two phases."""
         if compressor.summable or members < 2 or bucket.numel < members:
             return False
-        # The payload is not known before it is built; "auto" prices the smallest one
-        # any compressor sends (1 bit per element), where extra rounds weigh most.
-        return algorithms.choose_exchange(self.exchange, members,
-                                          bucket.numel / 8) == "two_phase"
+        if self.exchange != "auto":
+            return self.exchange == "two_phase"
+        key = (compressor.name, bucket.layout, members)
+        if key not in self._sizes:
+            self._sizes[key] = two_phase.payload_bytes(compressor, bucket.layout, members)
+        return algorithms.choose_exchange("auto", members, *self._sizes[key]) == "two_phase"
 
     def _exchange(self, messages: Sequence[Message], devices: tuple[str, ...],
                   members: list[int], wire: Wire, timeout: float) -> list:

@@ -56,28 +56,53 @@ def validate_exchange(name: str) -> str:
 
 
 def exchange_cost(kind: str, members: int, payload_bytes: float,
-                  latency_s: float = LATENCY_S, bytes_per_s: float = BYTES_PER_S) -> float:
+                  server_bytes: float | None = None, latency_s: float = LATENCY_S,
+                  bytes_per_s: float = BYTES_PER_S) -> float:
     """Predicted seconds one member spends moving a payload that cannot be summed.
 
     Alpha-beta model: "gather" sends N-1 payloads in N-1 rounds; "two_phase" sends
-    2(N-1)/N of a payload in 2(N-1) rounds (all-to-all, then all-gather of chunks).
+    (N-1)/N of the payload in N-1 rounds (all-to-all), then (N-1)/N of the
+    re-compressed reduced chunks (`server_bytes`, default: the payload's size) in N-1
+    more (all-gather).
+
+    Args:
+      kind: "gather" or "two_phase".
+      members: replicas taking part, N.
+      payload_bytes: one member's payload for the bucket (for "two_phase": its
+        chunks' payloads, summed).
+      server_bytes: the owners' re-compressed chunks, summed (two phases only).
+      latency_s: alpha, seconds per message.
+      bytes_per_s: beta, the link's bandwidth.
     """
     n = members
     if kind == "gather":
         return (n - 1) * (latency_s + payload_bytes / bytes_per_s)
     if kind == "two_phase":
-        return 2 * (n - 1) * (latency_s + payload_bytes / n / bytes_per_s)
+        server = payload_bytes if server_bytes is None else server_bytes
+        return (n - 1) * (2 * latency_s + (payload_bytes + server) / n / bytes_per_s)
     raise ValueError(f"unknown exchange {kind!r}; valid: gather, two_phase")
 
 
-def choose_exchange(name: str, members: int, payload_bytes: float) -> str:
-    """Resolves "auto" to the cheaper exchange; at N = 2 both move the same bytes and
-    gathering takes fewer rounds (and compresses once)."""
+def choose_exchange(name: str, members: int, payload_bytes: float,
+                    chunk_bytes: float | None = None, server_bytes: float | None = None) -> str:
+    """Resolves "auto" to the cheaper exchange (see `exchange_cost`); at N = 2 both
+    move about the same bytes and gathering takes fewer rounds and compresses once.
+
+    Args:
+      name: "auto", "gather" or "two_phase".
+      members: replicas taking part.
+      payload_bytes: one member's payload for the whole bucket (gathered).
+      chunk_bytes: its chunks' payloads, summed (default: `payload_bytes`).
+      server_bytes: the re-compressed chunks, summed (default: `chunk_bytes`).
+    """
     if name != "auto":
         return name
     if members <= 2:
         return "gather"
-    return min(("gather", "two_phase"), key=lambda k: exchange_cost(k, members, payload_bytes))
+    chunk = payload_bytes if chunk_bytes is None else chunk_bytes
+    gather = exchange_cost("gather", members, payload_bytes)
+    two = exchange_cost("two_phase", members, chunk, server_bytes)
+    return "two_phase" if two < gather else "gather"
 
 
 __all__ = ["ALGORITHMS", "EXCHANGES", "Wire", "choose", "choose_exchange", "exchange_cost",

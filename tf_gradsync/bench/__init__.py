@@ -5,8 +5,9 @@ from __future__ import annotations
 
 def ops_from_spec(spec: str, **ops_kwargs):
     """Builds a `CompressedAllReduce` from `name` or `name:key=value:...` (values parsed as
-    YAML); the keys `error_feedback` and `warmup_steps` go to `CompressedAllReduce`, the
-    others to the compressor (e.g. `powersgd:rank=8:start_iter=0`).
+    YAML); the keys `error_feedback`, `warmup_steps` and `exchange` go to
+    `CompressedAllReduce`, the others to the compressor (e.g. `powersgd:rank=8:start_iter=0`,
+    `sign:exchange=two_phase`).
 
     Args:
       spec: the compressor and its arguments.
@@ -32,7 +33,8 @@ def ops_from_spec(spec: str, **ops_kwargs):
         kwargs[key] = yaml.safe_load(value)
     # PowerSGD's own error_feedback argument belongs to the compressor.
     error_feedback = kwargs.pop("error_feedback", None) if name != "powersgd" else None
-    warmup_steps = kwargs.pop("warmup_steps", 0)
+    for key in ("warmup_steps", "exchange"):
+        if key in kwargs:
+            ops_kwargs[key] = kwargs.pop(key)
     return gs.CompressedAllReduce(gs.compression.get(name, **kwargs),
-                                  error_feedback=error_feedback, warmup_steps=warmup_steps,
-                                  **ops_kwargs)
+                                  error_feedback=error_feedback, **ops_kwargs)

@@ -24,7 +24,7 @@ from typing import Sequence
 
 from absl import flags
 
-from tf_gradsync import launch
+from tf_gradsync import algorithms, launch
 from tf_gradsync.bench import multiworker, netns, ops_from_spec  # noqa: F401  (multiworker: flags)
 
 flags.DEFINE_list("cluster_workers", ["2", "4"], "cluster: worker counts.")
@@ -36,7 +36,7 @@ FLAGS = flags.FLAGS
 #: PowerSGD without its dense warm-up: the few timed steps measure its steady state.
 DEFAULT_COMPRESSORS = ("none", "fp16", "int8", "sign", "topk", "powersgd:start_iter=0")
 PLOT = ("mode", "speedup", "speed-up vs stock MWMS", "setup")
-COLUMNS = ["setup", "workers", "rate", "mode", "step_s", "speedup", "vs_compute", "items_per_s",
+COLUMNS = ["setup", "workers", "rate", "mode", "exchange", "step_s", "speedup", "vs_compute", "items_per_s",
            "stats_bytes",
            "wire_bytes", "wire_vs_stats", "ring_bound", "wire_vs_bound", "cores", "load"]
 _PORT = 20000   # every namespace has its own ports, so all workers can use the same one
@@ -117,9 +117,14 @@ def measure(n: int, rate: str, modes: Sequence[str], params: int, steps: int,
             elif mode != "compute":
                 row["stats_bytes"] = ranks[0]["bytes_per_step"]
                 payload = ranks[0]["payload_bytes"]
-                # Summable payloads: a ring all-reduce; others: a ring all-gather.
+                # Summable payloads: a ring all-reduce; others: a ring all-gather, or
+                # 2(N-1)/N of the payload in two phases.
+                ops = ops_from_spec(mode)
+                two = algorithms.choose_exchange(ops.exchange, n, payload) == "two_phase"
+                row["exchange"] = ("all-reduce" if ops.compressor.summable else
+                                   "two-phase" if two else "gather")
                 row["ring_bound"] = (2 * (n - 1) * payload // n
-                                     if ops_from_spec(mode).compressor.summable
+                                     if ops.compressor.summable or two
                                      else (n - 1) * payload)
                 row["wire_vs_stats"] = row["wire_bytes"] / max(row["stats_bytes"], 1)
             if "ring_bound" in row:

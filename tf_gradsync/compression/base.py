@@ -266,12 +266,20 @@ class Compressor(abc.ABC):
     def codec(self) -> "Compressor":
         """The memoryless codec of this compressor's payload (itself by default).
 
-        A two-phase exchange re-compresses each reduced chunk with it (with its own
-        error feedback) and decodes with this compressor's meta, so its payloads must
-        have the shapes and meaning of this compressor's. Compressors whose
-        `compress` updates state (DGC's momentum) return a stateless form.
+        Its `compress` gives payloads of this compressor's shapes and meaning without
+        touching any state. Compressors whose `compress` updates state (DGC's
+        momentum) return a stateless form.
         """
         return self
+
+    def server_codec(self) -> "Compressor":
+        """The memoryless codec a two-phase exchange re-compresses reduced chunks with
+        (under the owner's error feedback); `codec()` by default.
+
+        A sum of N payloads holds more than one payload: a compressor whose payload
+        cannot carry it well (one bit per entry) names a richer codec here.
+        """
+        return self.codec()
 
     def combine(self, received: Received, meta: Any) -> tf.Tensor:
         """Decodes what a one-round exchange delivered into the reduced bucket."""
@@ -397,6 +405,9 @@ class Wrapper(Compressor):
 
     def codec(self) -> Compressor:
         return self.inner.codec()
+
+    def server_codec(self) -> Compressor:
+        return self.inner.server_codec()
 
 
 def nbytes(tensors: Sequence[tf.Tensor]) -> int:

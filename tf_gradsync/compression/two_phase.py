@@ -4,9 +4,9 @@ An all-gather of a compressed bucket costs each replica (N-1) payloads sent and 
 decoded, which grows with N. In two phases each replica cuts its bucket into N chunks
 (the same boundaries everywhere), compresses each and sends chunk j to replica j, its
 owner (all-to-all); the owner decodes and sums the N contributions, compresses the sum
-again, keeping what that loses in a server-side residual (error feedback at the owner),
-and the compressed reduced chunks are all-gathered. Each replica sends 2(N-1)/N of a
-payload, whatever N.
+again (with the compressor's `server_codec`), keeping what that loses in a server-side
+residual (error feedback at the owner), and the compressed reduced chunks are
+all-gathered. Each replica sends (N-1)/N of a payload in each phase, whatever N.
 
 Chunks keep the bucket's layout: a chunk holds pieces of the bucket's tensors, so
 per-tensor statistics stay per tensor (a tensor cut by a boundary becomes two
@@ -29,7 +29,7 @@ import tensorflow as tf
 
 from tf_gradsync.compression import _util
 from tf_gradsync.compression.base import (GATHER, SCATTER, Compressor, Context, Layout, Message,
-                                          Rounds, StateSpec)
+                                          Rounds, StateSpec, nbytes)
 
 #: State key of the owner's residual (the server-side error feedback).
 SERVER = "server_residual"
@@ -129,7 +129,7 @@ def rounds(compressor: Compressor, x: tf.Tensor, ctx: Context) -> Rounds:
     Returns:
       A generator; its return value is the reduced bucket, identical on every replica.
     """
-    chunks, codec = ctx.chunks, compressor.codec()
+    chunks, codec = ctx.chunks, compressor.server_codec()
     parts, metas = [], []
     for j in range(chunks.count):
         lo, hi = chunks.bounds(j)
@@ -142,22 +142,52 @@ def rounds(compressor: Compressor, x: tf.Tensor, ctx: Context) -> Rounds:
     # keep what that loses for the next step.
     me = chunks.member
     residual = ctx.state[SERVER]
-    total = tf.cast(codec.combine(received, metas[me]), residual.dtype) + residual
-    own = dataclasses.replace(chunk_context(ctx, me), state={}, errors=None,
-                              replica=(ctx.replica + 0x2545F491) % (1 << 30))
-    reduced, meta = codec.compress(tf.cast(total, x.dtype), own)
+    total = tf.cast(compressor.combine(received, metas[me]), residual.dtype) + residual
+    reduced, meta = codec.compress(tf.cast(total, x.dtype), _server_context(ctx, me))
     reduced = tuple(reduced)
-    if _specs(reduced) != _specs(parts[me]):
-        raise ValueError(f"{codec!r} re-compressed a reduced chunk into {_specs(reduced)}, "
-                         f"but its payload for that chunk is {_specs(parts[me])}")
     new = total - tf.cast(codec.decompress(reduced, meta), residual.dtype)
     residual.assign(tf.where(tf.reduce_all(tf.math.is_finite(new)), new, 0))
 
-    gathered = yield Message(reduced, GATHER, like=tuple(_specs(p) for p in parts))
-    outs = [codec.decompress(p, m) for p, m in zip(gathered, metas)]
+    # What every other owner sends is decoded with the meta the codec gives its chunk;
+    # compressing zeros only to learn it and the payload's shapes adds no work to the
+    # step (nothing uses those ops, so they are pruned).
+    likes, server_metas = [], []
+    for j in range(chunks.count):
+        if j == me:
+            payload, m = reduced, meta
+        else:
+            lo, hi = chunks.bounds(j)
+            payload, m = codec.compress(tf.zeros([hi - lo], x.dtype), _server_context(ctx, j))
+        likes.append(_specs(payload))
+        server_metas.append(m)
+    gathered = yield Message(reduced, GATHER, like=tuple(likes))
+    outs = [codec.decompress(p, m) for p, m in zip(gathered, server_metas)]
     for j, out in enumerate(outs):
         compressor.observe(out, chunk_context(ctx, j))
     return tf.concat([tf.cast(o, x.dtype) for o in outs], 0)
+
+
+def _server_context(ctx: Context, j: int) -> Context:
+    """The context an owner re-compresses chunk `j` in: no state, its own noise."""
+    return dataclasses.replace(chunk_context(ctx, j), state={}, errors=None,
+                               replica=(ctx.replica + 0x2545F491) % (1 << 30))
+
+
+def payload_bytes(compressor: Compressor, layout: Layout, parts: int) -> tuple[int, int, int]:
+    """What a bucket's payloads weigh, from the codecs' own tensors, in their steady
+    state (last mode): `(whole bucket, chunks, re-compressed chunks)`, the last two
+    summed over the `parts` chunks. Built in a scratch graph, run never."""
+    def size(codec: Compressor, chunk: Layout, j: int = 0) -> int:
+        ctx = Context(layout=chunk, seed=(0, j), mode=codec.num_modes - 1)
+        payload, _ = codec.compress(tf.zeros([chunk.numel], chunk.dtype), ctx)
+        return nbytes(payload)
+
+    codec, server = compressor.codec(), compressor.server_codec()
+    chunks = split(layout, parts)
+    with tf.Graph().as_default():
+        return (size(codec, layout),
+                sum(size(codec, c, j) for j, c in enumerate(chunks.layouts)),
+                sum(size(server, c, j) for j, c in enumerate(chunks.layouts)))
 
 
 def _specs(payload: Sequence[tf.Tensor]) -> tuple[tf.TensorSpec, ...]:
