@@ -8,6 +8,7 @@ compressor must end within 2 points of `none` (the goal is 1). A compressor that
 applies momentum itself (dgc) refuses the optimizer's momentum before the first step
 (tests/test_keras.py); here it trains with the recipe's momentum moved into it. The
 other columns (MLP, residual network; Adam, SGD without momentum) are in the benchmark.
+Two cells run again with two-phase exchanges.
 """
 
 import pytest
@@ -46,4 +47,15 @@ def test_cnn_sgd_momentum(name, data, devices_module, reference):
     assert row["ratio"] > 1.0
     if name == "dgc":
         assert row["note"], "dgc takes over the optimizer's momentum"
+    assert row["accuracy"] >= reference - 0.02, (name, row, reference)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["sign", "topk"])
+def test_cnn_sgd_momentum_in_two_phases(name, data, devices_module, reference):
+    """The same recipe with every bucket exchanged in two phases (owners re-compress
+    their chunk's sum under their own error feedback): one-bit (re-sent as int8) and
+    sparse payloads."""
+    row = _cell("cnn", "sgdm", f"{name}:exchange=two_phase", devices_module, data)
+    assert row["ratio"] > 1.0
     assert row["accuracy"] >= reference - 0.02, (name, row, reference)

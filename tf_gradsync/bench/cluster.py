@@ -117,14 +117,16 @@ def measure(n: int, rate: str, modes: Sequence[str], params: int, steps: int,
             elif mode != "compute":
                 row["stats_bytes"] = ranks[0]["bytes_per_step"]
                 payload = ranks[0]["payload_bytes"]
+                server = ranks[0]["server_payload_bytes"]
                 # Summable payloads: a ring all-reduce; others: a ring all-gather, or
-                # 2(N-1)/N of the payload in two phases.
+                # (N-1)/N of the payload out and of the owners' re-compression back.
                 ops = ops_from_spec(mode)
-                two = algorithms.choose_exchange(ops.exchange, n, payload) == "two_phase"
+                two = algorithms.choose_exchange(ops.exchange, n, payload, payload,
+                                                 server) == "two_phase"
                 row["exchange"] = ("all-reduce" if ops.compressor.summable else
                                    "two-phase" if two else "gather")
-                row["ring_bound"] = (2 * (n - 1) * payload // n
-                                     if ops.compressor.summable or two
+                row["ring_bound"] = (2 * (n - 1) * payload // n if ops.compressor.summable
+                                     else (n - 1) * (payload + server) // n if two
                                      else (n - 1) * payload)
                 row["wire_vs_stats"] = row["wire_bytes"] / max(row["stats_bytes"], 1)
             if "ring_bound" in row:

@@ -50,8 +50,9 @@ def worker(mode: str, params: int, steps: int, batch: int, ifname: str | None = 
     Returns:
       `mode`, `model`, `params`, `median_s`, `items_per_s` (images, tokens or examples
       per second over all workers) and `unit`; with `ifname`, `tx_bytes_per_step`; for ours,
-      `bytes_per_step` (`last_bytes_sent` of `ops.stats()`) and `payload_bytes` (the
-      payload tensors of one step's buckets, all rounds).
+      `bytes_per_step` (`last_bytes_sent` of `ops.stats()`), `payload_bytes` (the
+      payload tensors of one step's buckets, all rounds) and `server_payload_bytes`
+      (the same with the codec owners re-compress with in two phases).
     """
     import tensorflow as tf
     import tf_gradsync as gs
@@ -96,9 +97,11 @@ def worker(mode: str, params: int, steps: int, batch: int, ifname: str | None = 
         out["tx_bytes_per_step"] = (_tx_bytes(ifname) - tx_start) / steps
     if ops is not None:
         out["bytes_per_step"] = ops.stats()["last_bytes_sent"]
-        out["payload_bytes"] = payload_bytes(
-            ops.compressor, [(v.shape, v.dtype) for v in net.trainable_variables
-                             if not _sparse_gradient(v)], ops.bucket_bytes)
+        specs = [(v.shape, v.dtype) for v in net.trainable_variables if not _sparse_gradient(v)]
+        out["payload_bytes"] = payload_bytes(ops.compressor, specs, ops.bucket_bytes)
+        # What owners send back in two phases (int8 for the one-bit compressors).
+        out["server_payload_bytes"] = payload_bytes(ops.compressor.server_codec(), specs,
+                                                    ops.bucket_bytes)
     return out
 
 

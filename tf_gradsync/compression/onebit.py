@@ -82,10 +82,7 @@ class OneBit(Compressor):
                                 -seg.expand(tf.cast(lo, wd), ids)), dtype)
 
     def server_codec(self) -> Compressor:
-        """int8 with a scale per tensor: the owner's sum of N one-bit payloads re-sent
-        as one bit per entry lost too much for its error feedback to recover (a CNN
-        under SGD with momentum 0.9 on 4 replicas diverged, sign and onebit alike,
-        with l2 or l1 scales); in 8 bits it trained as the all-gather does. So two
-        phases pay for these from about 6 replicas on, and `exchange="auto"` picks
-        them only there."""
+        """int8, as for `Sign` (see `Sign.server_codec`): one bit per entry cannot
+        carry an owner's sum of N payloads (onebit re-sent as onebit ended at 0.87 where
+        uncompressed training reached 0.978; as int8, 0.978)."""
         return Int8()
