@@ -128,7 +128,7 @@ def check_steady(out, tensor_bytes, slack, pool_growth=0, steps=STEPS, warm=WARM
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("compression", ["fp16", "topk"])
+@pytest.mark.parametrize("compression", ["topk"])   # gathered: the costlier path per bucket
 def test_500_small_variables(devices, compression):
     shapes = small_shapes()
     # Several buckets: 64 KiB each, the 500 weights hold ~270 KiB of float32.

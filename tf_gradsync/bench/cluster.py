@@ -108,7 +108,7 @@ def measure(n: int, rate: str, modes: Sequence[str], params: int, steps: int,
                    "mode": {"compute": "compute-only", "stock": "stock MWMS"}.get(mode, mode),
                    "params": ranks[0]["params"], "cores": f"{cores}/{n}", "load": load,
                    "model": model, "items_per_s": sum(r["items_per_s"] for r in ranks) / n,
-                   "unit": ranks[0]["unit"],
+                   "unit": ranks[0]["unit"], "exchange": None,
                    "step_s": sum(r["median_s"] for r in ranks) / n,
                    "wire_bytes": round(sum(r["tx_bytes_per_step"] for r in ranks) / n)}
             dense = 4 * ranks[0]["dense_params"]

@@ -149,8 +149,8 @@ def rounds(compressor: Compressor, x: tf.Tensor, ctx: Context) -> Rounds:
     residual.assign(tf.where(tf.reduce_all(tf.math.is_finite(new)), new, 0))
 
     # What every other owner sends is decoded with the meta the codec gives its chunk;
-    # compressing zeros only to learn it and the payload's shapes adds no work to the
-    # step (nothing uses those ops, so they are pruned).
+    # compressing zeros only to learn it and the payload's shapes adds no work to a
+    # traced step (nothing uses those ops, so they are pruned).
     likes, server_metas = [], []
     for j in range(chunks.count):
         if j == me:
