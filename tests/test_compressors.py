@@ -240,10 +240,10 @@ def test_terngrad_reference():
     np.testing.assert_allclose(c.decompress((packed, scale), meta).numpy(), t * s, rtol=1e-6)
 
 
-def _topk_model(x, ratio):
+def _topk_model(x, ratio, layout=LAYOUT):
     """Per tensor, the k = max(1, ceil(ratio * size)) largest entries (ties: lower index)."""
     out = np.zeros_like(x)
-    for o, s in zip(LAYOUT.offsets, LAYOUT.sizes):
+    for o, s in zip(layout.offsets, layout.sizes):
         if s:
             k = min(s, max(1, math.ceil(ratio * s)))
             keep = o + np.argsort(-np.abs(x[o:o + s]), kind="stable")[:k]

@@ -2,7 +2,6 @@
 chunking, the pairing schedule, a numpy model, conservation of every compressor's
 gradient mass, bytes, and the pipeline on four devices against the driver."""
 
-import math
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -17,6 +16,7 @@ from tf_gradsync import compression as C
 from tf_gradsync.algorithms.pairwise import tournament
 from tf_gradsync.compression import two_phase
 from _compress import make_state, reduce
+from test_compressors import _topk_model
 from test_cross_device_ops import _crossing_edges
 
 SHAPES = ((3, 3, 2, 4), (4,), (0, 5), (50, 10), (10,), ())
@@ -61,16 +61,6 @@ def test_tournament_pairs_every_two_members_once(members):
         assert len(seen) == len(set(seen))
 
 
-def _topk(x, layout, ratio):
-    out = np.zeros_like(x)
-    for o, s in zip(layout.offsets, layout.sizes):
-        if s:
-            k = min(s, max(1, math.ceil(ratio * s)))
-            keep = o + np.argsort(-np.abs(x[o:o + s]), kind="stable")[:k]
-            out[keep] = x[keep]
-    return out
-
-
 def test_topk_two_phases_match_a_numpy_model():
     n, ratio, steps = 3, 0.1, 3
     c = C.ErrorFeedback(C.get("topk", ratio=ratio))
@@ -90,10 +80,10 @@ def test_topk_two_phases_match_a_numpy_model():
             sent = []
             for r in range(n):
                 e = xs[r, lo:hi] + worker[r, lo:hi]
-                sent.append(_topk(e, lay, ratio))
+                sent.append(_topk_model(e, ratio, lay))
                 worker[r, lo:hi] = e - sent[-1]
             total = np.sum(sent, 0) + server[lo:hi]
-            want[lo:hi] = _topk(total, lay, ratio)
+            want[lo:hi] = _topk_model(total, ratio, lay)
             server[lo:hi] = total - want[lo:hi]
         for r in range(n):
             np.testing.assert_allclose(got.results[r].numpy(), want, rtol=1e-5, atol=1e-6)

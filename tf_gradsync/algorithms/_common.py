@@ -94,7 +94,7 @@ def unpack_words(words: tf.Tensor, specs: Sequence[tf.TensorSpec]) -> tuple[tf.T
     out, at = [], 0
     for spec in specs:
         n = spec.shape.num_elements()
-        size = -(-n * spec.dtype.size // 4)
+        size = words_of([spec])
         chunk = words[at:at + size]
         at += size
         if spec.dtype.size >= 4:
@@ -104,3 +104,20 @@ def unpack_words(words: tf.Tensor, specs: Sequence[tf.TensorSpec]) -> tuple[tf.T
             flat = tf.reshape(tf.bitcast(chunk, spec.dtype), [-1])[:n]
         out.append(tf.reshape(flat, spec.shape))
     return tuple(out)
+
+
+def in_graph(launch, payloads, devices):
+    """Runs `launch(payloads)`, building it into one function when eager.
+
+    Eagerly, one device's collective would block before the next one launches, so
+    build them all into one function, from inputs first copied to their own devices (a
+    collective fed from another device waits forever); inside a graph, just build them.
+    `payloads` holds, per device, any nest of tensors.
+    """
+    if not tf.executing_eagerly():
+        return launch(payloads)
+    placed = []
+    for p, d in zip(payloads, devices):
+        with tf.device(d):
+            placed.append(tf.nest.map_structure(tf.identity, p))
+    return tf.function(launch)(placed)

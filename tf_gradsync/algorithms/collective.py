@@ -17,7 +17,8 @@ from typing import Hashable, Sequence
 import tensorflow as tf
 
 from tf_gradsync import _tf_compat
-from tf_gradsync.algorithms._common import DevicePayloads, Wire
+from tf_gradsync.algorithms._common import (DevicePayloads, Wire, in_graph, pack_words,
+                                             unpack_words)
 
 # Far above the group keys TensorFlow's own CollectiveAllReduce allocates from 1, so
 # both can live in one process without sharing a key for different device groups.
@@ -90,7 +91,7 @@ def all_reduce(payloads: DevicePayloads, devices: Sequence[str], wire: Wire,
 
     for k in range(len(keys)):
         wire.fed([p[k] for p in payloads], 2 * (n - 1), n)
-    return _in_graph(launch, payloads, devices)
+    return in_graph(launch, payloads, devices)
 
 
 def all_gather(payloads: DevicePayloads, devices: Sequence[str], wire: Wire,
@@ -120,7 +121,7 @@ def all_gather(payloads: DevicePayloads, devices: Sequence[str], wire: Wire,
 
     for k in range(len(keys)):
         wire.fed([p[k] for p in payloads], n - 1)
-    return _in_graph(launch, payloads, devices)
+    return in_graph(launch, payloads, devices)
 
 
 # CollectiveGatherV2 carries float16/32/64 and int32/64 only; other payloads (packed
@@ -130,30 +131,11 @@ _NATIVE = (tf.float16, tf.float32, tf.float64, tf.int32, tf.int64)
 
 
 def _to_words(t: tf.Tensor) -> tf.Tensor:
-    if t.dtype in _NATIVE:
-        return t
-    flat = tf.reshape(t, [-1])
-    per_word = 4 // t.dtype.size
-    pad = (-tf.size(flat)) % per_word
-    flat = tf.concat([flat, tf.zeros([pad], t.dtype)], 0)
-    return tf.bitcast(tf.reshape(flat, [-1, per_word]), tf.int32)
+    return t if t.dtype in _NATIVE else pack_words([t])
 
 
 def _from_words(words: tf.Tensor, like: tf.Tensor) -> tf.Tensor:
     if like.dtype in _NATIVE:
         return words
-    flat = tf.reshape(tf.bitcast(words, like.dtype), [-1])[:tf.size(like)]
-    return tf.reshape(flat, tf.shape(like))
-
-
-def _in_graph(launch, payloads, devices):
-    """Eagerly, one device's collective would block before the next one launches, so
-    build them all into one function, from inputs first copied to their own devices (a
-    collective fed from another device waits forever); inside a graph, just build them."""
-    if not tf.executing_eagerly():
-        return launch(payloads)
-    placed = []
-    for p, d in zip(payloads, devices):
-        with tf.device(d):
-            placed.append([tf.identity(t) for t in p])
-    return tf.function(launch)(placed)
+    (t,) = unpack_words(words, [tf.TensorSpec(like.shape, like.dtype)])
+    return t

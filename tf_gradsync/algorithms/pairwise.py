@@ -23,7 +23,7 @@ import tensorflow as tf
 
 from tf_gradsync import _tf_compat
 from tf_gradsync.algorithms import collective
-from tf_gradsync.algorithms._common import Wire, pack_words, unpack_words, words_of
+from tf_gradsync.algorithms._common import Wire, in_graph, pack_words, unpack_words, words_of
 
 Specs = Sequence[tf.TensorSpec]
 
@@ -99,7 +99,7 @@ def all_to_all(parts: Sequence[Sequence[tuple]], devices: Sequence[str], members
 
     if group_size == len(devices):      # copies only
         return launch(parts)
-    return _in_graph(launch, parts, devices)
+    return in_graph(launch, parts, devices)
 
 
 def gather_ragged(payloads: Sequence[tuple], like: Sequence[Specs], devices: Sequence[str],
@@ -138,15 +138,3 @@ def pair_group_key(a: int, b: int, group_size: int) -> int:
 
 def _specs(payload) -> tuple[tf.TensorSpec, ...]:
     return tuple(tf.TensorSpec(t.shape, t.dtype) for t in payload)
-
-
-def _in_graph(launch, parts, devices):
-    """Eagerly, a member would block in its first collective before the others launch
-    theirs: build the exchange into one function, from inputs on their own devices."""
-    if not tf.executing_eagerly():
-        return launch(parts)
-    placed = []
-    for p, d in zip(parts, devices):
-        with tf.device(d):
-            placed.append([tuple(tf.identity(t) for t in part) for part in p])
-    return tf.function(launch)(placed)
