@@ -8,6 +8,9 @@ that holds the model, the optimizer and the ops' compression state.
         --compression=topk --options='{"ratio": 0.05}' --steps=30 [--first_step=N]
         [--exchange=two_phase]
         [--restore=PREFIX] [--save=DIR]
+
+With --compression=autotune the ops come from `tf_gradsync.autotune` (each worker
+reports a different compute time; the decision is written out too).
 """
 
 import argparse
@@ -43,10 +46,19 @@ def main() -> None:
     p.add_argument("--save", default=None, help="checkpoint directory; {rank} is replaced")
     a = p.parse_args()
     rank = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
-    ops = gs.CompressedAllReduce(gs.compression.get(a.compression, **json.loads(a.options)),
-                                 exchange=a.exchange)
-    strategy = gs.MultiWorkerMirroredStrategy(cross_device_ops=ops)
-    model, opt = _regression.model_and_optimizer(strategy, 16, 4)
+    decision = None
+    if a.compression == "autotune":
+        strategy = gs.MultiWorkerMirroredStrategy()
+        model, opt = _regression.model_and_optimizer(strategy, 16, 4)
+        ops = gs.autotune(strategy, model, compute=0.001 * (rank + 1), accuracy="aggressive",
+                          calibrate_numel=20_000, **json.loads(a.options))
+        decision = {k: v for k, v in vars(ops.decision).items() if k != "link"}
+        decision["link"] = [ops.decision.link.latency_s, ops.decision.link.bytes_per_s]
+    else:
+        ops = gs.CompressedAllReduce(gs.compression.get(a.compression, **json.loads(a.options)),
+                                     exchange=a.exchange)
+        strategy = gs.MultiWorkerMirroredStrategy(cross_device_ops=ops)
+        model, opt = _regression.model_and_optimizer(strategy, 16, 4)
     step = _regression.train_step(strategy, model, opt)
     ckpt = tf.train.Checkpoint(model=model, optimizer=opt, gradsync=ops)
     if a.restore:
@@ -64,7 +76,7 @@ def main() -> None:
     if a.save:
         ckpt.write(os.path.join(a.save.format(rank=rank), "ckpt"))
     with open(os.path.join(a.out, f"worker_{rank}.json"), "w") as f:
-        json.dump({"fingerprints": prints, "stats": ops.stats(),
+        json.dump({"fingerprints": prints, "stats": ops.stats(), "decision": decision,
                    "weights": [w.tolist() for w in model.get_weights()]}, f)
 
 

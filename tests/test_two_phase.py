@@ -171,8 +171,9 @@ def test_auto_prices_both_exchanges():
     assert algorithms.choose_exchange("auto", 4, 1e6, 1e6, 4e6) == "gather"
     assert algorithms.choose_exchange("auto", 6, 1e6, 1e6, 4e6) == "two_phase"
     for n in (3, 8, 64):
-        ratio = (algorithms.exchange_cost("gather", n, 1e9, latency_s=0)
-                 / algorithms.exchange_cost("two_phase", n, 1e9, latency_s=0))
+        link = algorithms.cost.Link(latency_s=0)
+        ratio = (algorithms.cost.exchange_seconds("gather", n, 1e9, link)
+                 / algorithms.cost.exchange_seconds("two_phase", n, 1e9, link))
         assert ratio == pytest.approx(n / 2)
 
 

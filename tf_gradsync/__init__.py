@@ -1,6 +1,7 @@
 """tf_gradsync: compressed, bucketed gradient synchronisation for tf.distribute."""
 
 from tf_gradsync import algorithms, compression
+from tf_gradsync.autotuning import autotune
 from tf_gradsync.bucketing import BucketPlan, plan_buckets
 from tf_gradsync.checkpoint import track_state
 from tf_gradsync.config import SyncConfig, load_config, parse_config
@@ -30,6 +31,7 @@ __all__ = [
     "MultiWorkerMirroredStrategy",
     "SyncConfig",
     "algorithms",
+    "autotune",
     "callbacks",
     "compression",
     "load_config",

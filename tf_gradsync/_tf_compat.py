@@ -95,6 +95,16 @@ def index_shuffle(index: tf.Tensor, seed: tf.Tensor, max_index: tf.Tensor) -> tf
                                                    rounds=4)
 
 
+def cross_device_ops_of(strategy) -> object:
+    """The cross-device ops a Mirrored or MultiWorkerMirrored strategy was given."""
+    return strategy.extended._cross_device_ops  # pylint: disable=protected-access
+
+
+def set_cross_device_ops(strategy, ops) -> None:
+    """Makes such a strategy use `ops` for every later reduction."""
+    strategy.extended._cross_device_ops = ops  # pylint: disable=protected-access
+
+
 def use_merge_call_for_all_reduce(extended) -> None:
     """Makes a CollectiveAllReduceExtended send replica-context all-reduces through
     merge_call -> batch_reduce, so that custom cross-device ops see every local replica

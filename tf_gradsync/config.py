@@ -40,6 +40,7 @@ class SyncConfig:
     exchange: str = "auto"
     timeout_seconds: float | None = None
     warmup_steps: int = 0
+    guard: bool = False
 
     def __post_init__(self):
         if self.compression not in compression.names():
@@ -54,7 +55,8 @@ class SyncConfig:
         compression.get(self.compression, **dict(self.compression_options))
         check_settings(error_feedback=self.error_feedback, bucket_bytes=self.bucket_bytes,
                        algorithm=self.algorithm, exchange=self.exchange,
-                       timeout_seconds=self.timeout_seconds, warmup_steps=self.warmup_steps)
+                       timeout_seconds=self.timeout_seconds, warmup_steps=self.warmup_steps,
+                       guard=self.guard)
 
     def build(self):
         """Returns a `CompressedAllReduce` with these settings."""
@@ -63,7 +65,8 @@ class SyncConfig:
             compression.get(self.compression, **dict(self.compression_options)),
             error_feedback=self.error_feedback, bucket_bytes=self.bucket_bytes,
             algorithm=self.algorithm, exchange=self.exchange,
-            timeout_seconds=self.timeout_seconds, warmup_steps=self.warmup_steps)
+            timeout_seconds=self.timeout_seconds, warmup_steps=self.warmup_steps,
+            guard=self.guard)
 
 
 def check_bucket_bytes(bucket_bytes) -> None:
@@ -74,7 +77,7 @@ def check_bucket_bytes(bucket_bytes) -> None:
 
 def check_settings(*, error_feedback=None, bucket_bytes=32 * 2**20, algorithm="auto",
                    exchange="auto", timeout_seconds=None, warmup_steps=0,
-                   measure_error=True) -> None:
+                   measure_error=True, guard=False) -> None:
     """The checks of every setting of a `CompressedAllReduce` but the compressor: the
     one place they live, for the constructor and for presets alike.
 
@@ -94,8 +97,9 @@ def check_settings(*, error_feedback=None, bucket_bytes=32 * 2**20, algorithm="a
             or not 0 < timeout_seconds < math.inf):
         raise ValueError("timeout_seconds must be a positive, finite number of seconds or "
                          f"None (null in YAML), got {timeout_seconds!r}")
-    if not isinstance(measure_error, bool):
-        raise ValueError(f"measure_error must be True or False, got {measure_error!r}")
+    for name, value in (("measure_error", measure_error), ("guard", guard)):
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be True or False, got {value!r}")
 
 
 def parse_config(source: str | os.PathLike | Mapping[str, Any]) -> SyncConfig:

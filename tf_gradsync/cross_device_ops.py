@@ -7,7 +7,7 @@ from typing import Sequence
 import tensorflow as tf
 
 from tf_gradsync import _tf_compat
-from tf_gradsync.compression import Compressor, ErrorFeedback, Warmup, get
+from tf_gradsync.compression import Compressor, ErrorFeedback, Guard, Warmup, get
 from tf_gradsync.config import check_settings
 from tf_gradsync.pipeline import Pipeline, path_of
 from tf_gradsync.state import SyncState
@@ -49,6 +49,10 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
         all-gathered: 2(N-1)/N of a payload whatever N) or "auto" (per bucket, the
         cheaper by predicted cost: gather at N = 2, two phases for large buckets
         beyond).
+      guard: watch each bucket's compression error and send a bucket in fp16 while
+        its mean over a window stays above 0.99, returning when it would fall
+        (`tf_gradsync.compression.Guard`; identical on every worker). Not applied
+        to lossless compressors.
       name: name of the module (for checkpoints).
 
     Raises:
@@ -66,15 +70,18 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
     def __init__(self, compression: str | Compressor = "none", *, bucket_bytes: int = 32 * 2**20,
                  algorithm: str = "auto", error_feedback: bool | None = None,
                  timeout_seconds: float | None = None, warmup_steps: int = 0,
-                 measure_error: bool = True, exchange: str = "auto", name: str | None = None):
+                 measure_error: bool = True, exchange: str = "auto", guard: bool = False,
+                 name: str | None = None):
         if name is not None and not isinstance(name, str):
             raise ValueError(f"name must be a string or None, got {name!r}")
         tf.distribute.CrossDeviceOps.__init__(self)
         tf.Module.__init__(self, name=name or "compressed_all_reduce")
         check_settings(error_feedback=error_feedback, bucket_bytes=bucket_bytes,
                        algorithm=algorithm, exchange=exchange, timeout_seconds=timeout_seconds,
-                       warmup_steps=warmup_steps, measure_error=measure_error)
+                       warmup_steps=warmup_steps, measure_error=measure_error, guard=guard)
         self._compressor = _with_error_feedback(get(compression), error_feedback)
+        if guard and self._compressor.accuracy != "lossless":
+            self._compressor = Guard(self._compressor)
         if warmup_steps:
             self._compressor = Warmup(self._compressor, warmup_steps)
         self._algorithm = algorithm

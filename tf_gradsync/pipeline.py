@@ -215,7 +215,7 @@ class Pipeline:
 
     def two_phase(self, compressor: Compressor, bucket: Bucket, members: int) -> bool:
         """Whether this bucket's gathered payloads travel in two phases."""
-        if compressor.summable or members < 2 or bucket.numel < members:
+        if compressor.summable or not compressor.splittable or members < 2 or bucket.numel < members:
             return False
         if self.exchange != "auto":
             return self.exchange == "two_phase"

@@ -73,17 +73,31 @@ class MultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
             check_tf_config(os.environ.get("TF_CONFIG"))
         super().__init__(cluster_resolver=cluster_resolver,
                          communication_options=communication_options)
+        # TensorFlow's collective ops: they keep serving what is not compressed.
+        self._exact_ops = _tf_compat.cross_device_ops_of(self)
         if cross_device_ops is not None:
-            extended = self.extended
-            cross_device_ops.join_cluster(max(extended._num_workers, 1),  # pylint: disable=protected-access
-                                          extended._cross_device_ops,  # pylint: disable=protected-access
-                                          extended._task_id or 0)  # pylint: disable=protected-access
-            extended._cross_device_ops = cross_device_ops  # pylint: disable=protected-access
-            _tf_compat.use_merge_call_for_all_reduce(extended)
+            self.use_cross_device_ops(cross_device_ops)
+
+    def use_cross_device_ops(self, ops: CompressedAllReduce) -> None:
+        """Routes gradient all-reduces through `ops` from now on (as if passed to the
+        constructor); call it before building any training step (`tf_gradsync.autotune`
+        does, after probing the link).
+
+        Raises:
+          ValueError: if `ops` is not a `CompressedAllReduce`.
+        """
+        if not isinstance(ops, CompressedAllReduce):
+            raise ValueError(f"cross_device_ops must be a tf_gradsync.CompressedAllReduce, "
+                             f"got {ops!r}")
+        extended = self.extended
+        ops.join_cluster(max(extended._num_workers, 1), self._exact_ops,  # pylint: disable=protected-access
+                         extended._task_id or 0)  # pylint: disable=protected-access
+        _tf_compat.set_cross_device_ops(self, ops)
+        _tf_compat.use_merge_call_for_all_reduce(extended)
 
     @property
     def cross_device_ops(self) -> CompressedAllReduce | None:
-        ops = self.extended._cross_device_ops  # pylint: disable=protected-access
+        ops = _tf_compat.cross_device_ops_of(self)
         return ops if isinstance(ops, CompressedAllReduce) else None
 
     def reduce(self, reduce_op, value, axis):

@@ -5,7 +5,7 @@ rest) with the signature `(payloads, devices, wire) -> per-device results`; `pai
 adds the all-to-all and the ragged all-gather of two-phase exchanges.
 
 Payloads that cannot be summed travel in one of two exchanges, chosen per bucket by
-their predicted cost (`exchange_cost`): "gather" (all-gather, each member decodes
+their predicted cost (`cost`): "gather" (all-gather, each member decodes
 every payload) or "two_phase" (`tf_gradsync.compression.two_phase`).
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import types
 
-from tf_gradsync.algorithms import collective, pairwise, ring, tree
+from tf_gradsync.algorithms import collective, cost, pairwise, ring, tree
 from tf_gradsync.algorithms._common import Wire
 
 ALGORITHMS: dict[str, types.ModuleType] = {"ring": ring, "tree": tree, "collective": collective}
@@ -25,9 +25,6 @@ TREE_MAX_BYTES = 256 * 1024
 
 #: Exchanges of payloads that cannot be summed.
 EXCHANGES = ("auto", "gather", "two_phase")
-#: What "auto" assumes of a link: latency per message and bandwidth.
-LATENCY_S = 50e-6
-BYTES_PER_S = 125e6
 
 
 def names() -> list[str]:
@@ -55,37 +52,10 @@ def validate_exchange(name: str) -> str:
     return name
 
 
-def exchange_cost(kind: str, members: int, payload_bytes: float,
-                  server_bytes: float | None = None, latency_s: float = LATENCY_S,
-                  bytes_per_s: float = BYTES_PER_S) -> float:
-    """Predicted seconds one member spends moving a payload that cannot be summed.
-
-    Alpha-beta model: "gather" sends N-1 payloads in N-1 rounds; "two_phase" sends
-    (N-1)/N of the payload in N-1 rounds (all-to-all), then (N-1)/N of the
-    re-compressed reduced chunks (`server_bytes`, default: the payload's size) in N-1
-    more (all-gather).
-
-    Args:
-      kind: "gather" or "two_phase".
-      members: replicas taking part, N.
-      payload_bytes: one member's payload for the bucket (for "two_phase": its
-        chunks' payloads, summed).
-      server_bytes: the owners' re-compressed chunks, summed (two phases only).
-      latency_s: alpha, seconds per message.
-      bytes_per_s: beta, the link's bandwidth.
-    """
-    n = members
-    if kind == "gather":
-        return (n - 1) * (latency_s + payload_bytes / bytes_per_s)
-    if kind == "two_phase":
-        server = payload_bytes if server_bytes is None else server_bytes
-        return (n - 1) * (2 * latency_s + (payload_bytes + server) / n / bytes_per_s)
-    raise ValueError(f"unknown exchange {kind!r}; valid: gather, two_phase")
-
-
 def choose_exchange(name: str, members: int, payload_bytes: float,
                     chunk_bytes: float | None = None, server_bytes: float | None = None) -> str:
-    """Resolves "auto" to the cheaper exchange (see `exchange_cost`); at N = 2 both
+    """Resolves "auto" to the cheaper exchange on the default `cost.Link` (see
+    `cost.exchange_seconds`); at N = 2 both
     move about the same bytes and gathering takes fewer rounds and compresses once.
 
     Args:
@@ -100,10 +70,10 @@ def choose_exchange(name: str, members: int, payload_bytes: float,
     if members <= 2:
         return "gather"
     chunk = payload_bytes if chunk_bytes is None else chunk_bytes
-    gather = exchange_cost("gather", members, payload_bytes)
-    two = exchange_cost("two_phase", members, chunk, server_bytes)
+    gather = cost.exchange_seconds("gather", members, payload_bytes)
+    two = cost.exchange_seconds("two_phase", members, chunk, server_bytes)
     return "two_phase" if two < gather else "gather"
 
 
-__all__ = ["ALGORITHMS", "EXCHANGES", "Wire", "choose", "choose_exchange", "exchange_cost",
+__all__ = ["ALGORITHMS", "EXCHANGES", "Wire", "choose", "choose_exchange", "cost",
            "names", "pairwise", "validate", "validate_exchange"]

@@ -1,9 +1,11 @@
 """Step time on a simulated cluster: each worker in its own network namespace behind a
 rate-limited link (see `netns`), stock MultiWorkerMirroredStrategy against ours.
 
-Per (workers, rate): the compute-only floor (the same step with no communication, on N
-concurrent processes, since they share the cores and memory bandwidth), stock, then
-each compressor. Workers run `tf_gradsync.bench.multiworker`'s worker with a TF_CONFIG
+Per (workers, rate): a probing job (the cost model's measurements of the link and of
+each compressor's throughput), the compute-only floor (the same step with no
+communication, on N concurrent processes, since they share the cores and memory
+bandwidth), stock, then each compressor; each row carries the cost model's prediction
+of its step (`predicted_s`) next to the measured one. Workers run `tf_gradsync.bench.multiworker`'s worker with a TF_CONFIG
 of namespace addresses and read their link's kernel tx counter around the timed steps.
 Needs root. Everything created (namespaces, links, bridge, processes) is removed on
 return, on error, on SIGINT/SIGTERM and at exit; leftovers of a killed run are removed
@@ -36,8 +38,8 @@ FLAGS = flags.FLAGS
 #: PowerSGD without its dense warm-up: the few timed steps measure its steady state.
 DEFAULT_COMPRESSORS = ("none", "fp16", "int8", "sign", "topk", "powersgd:start_iter=0")
 PLOT = ("mode", "speedup", "speed-up vs stock MWMS", "setup")
-COLUMNS = ["setup", "workers", "rate", "mode", "exchange", "step_s", "speedup", "vs_compute", "items_per_s",
-           "stats_bytes",
+COLUMNS = ["setup", "workers", "rate", "mode", "exchange", "step_s", "speedup", "vs_compute",
+           "predicted_s", "prediction_error", "pick", "items_per_s", "stats_bytes",
            "wire_bytes", "wire_vs_stats", "ring_bound", "wire_vs_bound", "cores", "load"]
 _PORT = 20000   # every namespace has its own ports, so all workers can use the same one
 _ENV = {"TF_CPP_MIN_LOG_LEVEL": "2",
@@ -102,8 +104,13 @@ def measure(n: int, rate: str, modes: Sequence[str], params: int, steps: int,
     rows = []
     with netns.Network(n, rate, delay) as net:
         _live.append(net)
+        probes = _job(net, "probe", params, steps, timeout, model, image_size,
+                      [f"--probe_modes={','.join(['none', *modes])}",
+                       f"--probe_numel={min(params, 25_000_000)}"])
+        specs = None
         for mode in ["compute", "stock", *modes]:
             ranks = _job(net, mode, params, steps, timeout, model, image_size)
+            specs = specs or ranks[0]["specs"]
             row = {"workers": n, "rate": rate, "setup": f"{n} workers, {rate}",
                    "mode": {"compute": "compute-only", "stock": "stock MWMS"}.get(mode, mode),
                    "params": ranks[0]["params"], "cores": f"{cores}/{n}", "load": load,
@@ -139,11 +146,44 @@ def measure(n: int, rate: str, modes: Sequence[str], params: int, steps: int,
     for row in rows:
         row["speedup"] = stock / row["step_s"]
         row["vs_compute"] = row["step_s"] / compute
+    predict(rows, probes, specs, n)
     return rows
 
 
+def predict(rows: list[dict], probes: list[dict], specs: list, n: int) -> None:
+    """Adds the cost model's `predicted_s` (and `prediction_error`, predicted over
+    measured minus one) to the stock and compressor rows, and marks with `pick` the
+    compressor row it predicts fastest (what `autotune` would choose among them).
+
+    Its inputs are measured in the same sitting: the link fitted to the probing
+    all-reduces (`autotuning.fit_link`), each compressor's throughput with every worker
+    measuring at once (so the contention for cores is in it), and the compute-only
+    row's step as compute.
+    """
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    from tf_gradsync import autotuning, costmodel  # pylint: disable=import-outside-toplevel
+    seconds = [sum(p["probe_s"][i] for p in probes) / n for i in range(len(probes[0]["probe_s"]))]
+    link = autotuning.fit_link(probes[0]["probe_bytes"], seconds, n)
+    rates = {m: sum(p["throughput"][m] for p in probes) / n for m in probes[0]["throughput"]}
+    specs = [(tuple(shape), tf.as_dtype(dtype)) for shape, dtype in specs]
+    compute = rows[0]["step_s"]
+    kinds = {"all-reduce": "ring", "two-phase": "two_phase", "gather": "gather", None: "ring"}
+    for row in rows[1:]:
+        spec = "none" if row["mode"] == "stock MWMS" else row["mode"]
+        ops = ops_from_spec(spec)
+        payloads = costmodel.model_payloads(ops.compressor, specs, ops.bucket_bytes, n)
+        p = costmodel.predict(ops.compressor, payloads, kinds[row["exchange"]], n, link, compute,
+                              rates[spec])
+        row["predicted_s"] = p.step_s
+        row["prediction_error"] = p.step_s / row["step_s"] - 1
+        row["link"] = [link.latency_s, link.bytes_per_s]
+    ours = rows[2:]
+    if ours:
+        min(ours, key=lambda r: r["predicted_s"])["pick"] = "*"
+
+
 def _job(net: netns.Network, mode: str, params: int, steps: int, timeout: float,
-         model: str = "dense", image_size: int = 224) -> list[dict]:
+         model: str = "dense", image_size: int = 224, extra: Sequence[str] = ()) -> list[dict]:
     """Runs one mode on every worker of `net`; each rank's result dict, by rank."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(_ENV, PYTHONPATH=os.pathsep.join(
@@ -152,7 +192,7 @@ def _job(net: netns.Network, mode: str, params: int, steps: int, timeout: float,
     configs = launch.tf_configs([f"{a}:{_PORT}" for a in net.addresses])
     cmd = ["-m", "tf_gradsync.bench.multiworker", f"--mode={mode}", f"--params={params}",
            f"--steps={steps}", f"--batch={multiworker.batch_size(model)}",
-           f"--ifname={net.interface}", f"--model={model}", f"--image_size={image_size}"]
+           f"--ifname={net.interface}", f"--model={model}", f"--image_size={image_size}", *extra]
     _log(f"{' '.join(cmd[1:])} on {n} namespaces")
     out = io.StringIO()
     job = launch.Job(cmd, configs, grace_seconds=5, out=out,

@@ -2,7 +2,8 @@
 against tf_gradsync.MultiWorkerMirroredStrategy, each run started by the launcher.
 
 Worker entry point (also used by the `cluster` suite):
-`python -m tf_gradsync.bench.multiworker --mode=stock|compute|<compressor> [--ifname=IF]`.
+`python -m tf_gradsync.bench.multiworker --mode=stock|compute|<compressor> [--ifname=IF]`,
+or `--mode=probe --probe_modes=fp16,topk` for the cost model's measurements.
 """
 
 from __future__ import annotations
@@ -29,6 +30,23 @@ flags.DEFINE_integer("image_size", 224, "multiworker, cluster: resnet50 image si
 FLAGS = flags.FLAGS
 #: Figure (see figure.py): step time relative to stock.
 PLOT = ("mode", "vs_stock", "step time / stock")
+
+
+def probe(modes: list[str], numel: int) -> dict:
+    """A probing job's part (the cost model's measurements, under the same contention as
+    the runs): exact all-reduces of `autotuning.PROBE_BYTES` through TensorFlow's
+    collectives (seconds each), and compress + decompress throughput of each mode's
+    compressor on `numel` elements, while every other worker measures too."""
+    import tensorflow as tf
+    import tf_gradsync as gs
+    from tf_gradsync import autotuning, costmodel
+    tf.get_logger().setLevel("ERROR")
+    strategy = gs.MultiWorkerMirroredStrategy()
+    seconds = autotuning.probe_link(strategy)
+    rates = {m: costmodel.measure_throughput(ops_from_spec(m).compressor, numel, 3)["bytes_per_s"]
+             for m in modes}
+    return {"mode": "probe", "probe_bytes": list(autotuning.PROBE_BYTES), "probe_s": seconds,
+            "throughput": rates}
 
 
 def worker(mode: str, params: int, steps: int, batch: int, ifname: str | None = None,
@@ -95,9 +113,10 @@ def worker(mode: str, params: int, steps: int, batch: int, ifname: str | None = 
            "items_per_s": work.items * workers / median, "unit": work.unit}
     if ifname:
         out["tx_bytes_per_step"] = (_tx_bytes(ifname) - tx_start) / steps
+    specs = [(v.shape, v.dtype) for v in net.trainable_variables if not _sparse_gradient(v)]
+    out["specs"] = [[list(map(int, sh)), dt.name] for sh, dt in specs]
     if ops is not None:
         out["bytes_per_step"] = ops.stats()["last_bytes_sent"]
-        specs = [(v.shape, v.dtype) for v in net.trainable_variables if not _sparse_gradient(v)]
         out["payload_bytes"] = payload_bytes(ops.compressor, specs, ops.bucket_bytes)
         # What owners send back in two phases (int8 for the one-bit compressors).
         out["server_payload_bytes"] = payload_bytes(ops.compressor.server_codec(), specs,
@@ -112,11 +131,11 @@ def payload_bytes(compressor, specs, bucket_bytes: int) -> int:
     same plan once (every round, for multi-round compressors), past any warm-up.
     """
     import tensorflow as tf
-    from tf_gradsync.bench import micro
+    from tf_gradsync import costmodel
     from tf_gradsync.bucketing import plan_buckets
     total = 0
     for b in plan_buckets(specs, bucket_bytes).buckets:
-        _, sent = micro.roundtrip_fn(compressor, b.layout)(
+        _, sent = costmodel.roundtrip_fn(compressor, b.layout)(
             tf.random.stateless_normal([b.numel], (3, b.id), dtype=b.dtype))
         total += int(sent)
     return total
@@ -182,6 +201,11 @@ if __name__ == "__main__":
     p.add_argument("--ifname", default=None)
     p.add_argument("--model", default="dense", choices=models.NAMES)
     p.add_argument("--image_size", type=int, default=224)
+    p.add_argument("--probe_modes", default="", help="probe: compressor specs, comma-separated")
+    p.add_argument("--probe_numel", type=int, default=4_000_000)
     a = p.parse_args()
-    print("RESULT " + json.dumps(worker(a.mode, a.params, a.steps, a.batch, a.ifname, a.model,
-                                        a.image_size)), flush=True)
+    if a.mode == "probe":
+        result = probe([m for m in a.probe_modes.split(",") if m], a.probe_numel)
+    else:
+        result = worker(a.mode, a.params, a.steps, a.batch, a.ifname, a.model, a.image_size)
+    print("RESULT " + json.dumps(result), flush=True)

@@ -26,11 +26,11 @@ import signal
 import subprocess
 from typing import Sequence
 
+from tf_gradsync.algorithms import cost
+
 PREFIX = "gsb"
 #: Worker i gets SUBNET.(i+1)/24.
 SUBNET = "10.77.0"
-_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9,
-          "kibit": 2**10, "mibit": 2**20, "gibit": 2**30}
 _DELAY_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
 _TIMEOUT = 30   # seconds for any one `ip` / `tc` command
 _serial = itertools.count()
@@ -42,11 +42,13 @@ def parse_rate(text: str) -> int:
     Raises:
       ValueError: naming `text` and the accepted form.
     """
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-z]+)\s*", str(text).lower())
-    if not m or m.group(2) not in _UNITS or float(m.group(1)) <= 0:
+    try:
+        if not re.search(r"[a-z]\s*$", str(text).lower()):
+            raise ValueError("no unit")
+        bps = int(round(cost.parse_bandwidth(text) * 8))
+    except ValueError:
         raise ValueError(f"bad rate {text!r}: give a positive number and a unit, one of "
-                         f"{', '.join(_UNITS)} (e.g. 100mbit, 1gbit, 10gbit)")
-    bps = int(float(m.group(1)) * _UNITS[m.group(2)])
+                         f"{', '.join(cost.UNITS)} (e.g. 100mbit, 1gbit, 10gbit)") from None
     if not 8_000 <= bps <= 100 * 10**9:   # tbf's practical range
         raise ValueError(f"bad rate {text!r}: must be between 8kbit and 100gbit")
     return bps

@@ -9,6 +9,7 @@ from tf_gradsync.compression.adaptive import Adaptive
 from tf_gradsync.compression.cast import BFloat16, Float16
 from tf_gradsync.compression.dgc import DGC
 from tf_gradsync.compression.error_feedback import ErrorFeedback
+from tf_gradsync.compression.guard import Guard
 from tf_gradsync.compression.int8 import Int8
 from tf_gradsync.compression.onebit import OneBit
 from tf_gradsync.compression.powersgd import PowerSGD
@@ -22,7 +23,7 @@ from tf_gradsync.compression.warmup import Warmup
 
 __all__ = [
     "Adaptive", "BFloat16", "Compressor", "Context", "DGC", "ErrorFeedback", "Float16", "GATHER",
-    "Int8", "Layout", "Message", "NoCompression", "OneBit", "PowerSGD", "QSGD", "RandomK",
+    "Guard", "Int8", "Layout", "Message", "NoCompression", "OneBit", "PowerSGD", "QSGD", "RandomK",
     "SCATTER", "SUM", "Sign", "StateSpec", "TernGrad", "Threshold", "TopK", "Warmup", "Wrapper",
     "driver", "get", "names", "nbytes", "register", "two_phase",
 ]

@@ -196,6 +196,13 @@ class Compressor(abc.ABC):
       * `has_own_memory`: keeps its own error memory (no `ErrorFeedback` around it).
       * `default_error_feedback`: whether `CompressedAllReduce` wraps it in
         `ErrorFeedback` by default; None: when it is biased and has no memory.
+      * `splittable`: its gathered payloads may travel in two phases (each chunk a
+        bucket of its own); a compressor whose `rounds` needs the whole bucket
+        declares False.
+      * `accuracy`: what its library defaults cost in accuracy, from the convergence
+        matrix (BENCHMARKS.md): "lossless" (as uncompressed training), "balanced"
+        (within about a point on every measured recipe) or "aggressive" (more on
+        some; the default for a compressor not measured there).
 
     A compressor with several static configurations (a warm-up stage, a ratio chosen
     at run time) declares `num_modes` and picks one per step in `mode`; each mode has
@@ -216,6 +223,8 @@ class Compressor(abc.ABC):
     floating_only: ClassVar[bool] = True
     has_own_memory: ClassVar[bool] = False
     default_error_feedback: ClassVar[bool | None] = None
+    accuracy: ClassVar[str] = "aggressive"
+    splittable: ClassVar[bool] = True
     #: Static configurations picked at run time by `mode`.
     num_modes: int = 1
 
@@ -381,6 +390,8 @@ class Wrapper(Compressor):
 
     def __init__(self, inner: Compressor):
         self.inner = inner
+        self.accuracy = inner.accuracy
+        self.splittable = inner.splittable
         self.summable = inner.summable
         self.prescale = inner.prescale
         self.floating_only = inner.floating_only

@@ -22,6 +22,8 @@ class _Cast(Compressor):
     along a ring accumulates in float32 at each hop and is rounded once per hop.
     """
 
+    accuracy = "lossless"
+
     wire_dtype: ClassVar[tf.DType]
     prescale = True
 

@@ -31,6 +31,8 @@ class Int8(Compressor):
       >>> c = tf_gradsync.compression.get("int8")
     """
 
+    accuracy = "balanced"
+
     summable = False
     unbiased = False
 

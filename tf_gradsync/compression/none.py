@@ -17,6 +17,8 @@ class NoCompression(Compressor):
       >>> ops = tf_gradsync.CompressedAllReduce("none")
     """
 
+    accuracy = "lossless"
+
     floating_only = False
 
     def compress(self, x: tf.Tensor, ctx: Context):

@@ -46,6 +46,8 @@ class OneBit(Compressor):
       >>> c = tf_gradsync.compression.ErrorFeedback(tf_gradsync.compression.get("onebit"))
     """
 
+    accuracy = "balanced"
+
     summable = False
     unbiased = False
 

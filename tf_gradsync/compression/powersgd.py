@@ -90,6 +90,8 @@ class PowerSGD(Compressor):
       >>> c = tf_gradsync.compression.get("powersgd", rank=2)
     """
 
+    accuracy = "balanced"
+
     unbiased = False
     prescale = True
     has_own_memory = True

@@ -45,6 +45,8 @@ class QSGD(Compressor):
       >>> c = tf_gradsync.compression.get("qsgd", levels=16)
     """
 
+    accuracy = "balanced"
+
     summable = False
     unbiased = True
 

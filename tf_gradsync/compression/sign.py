@@ -61,6 +61,8 @@ class Sign(Compressor):
       >>> c = tf_gradsync.compression.ErrorFeedback(tf_gradsync.compression.get("sign"))
     """
 
+    accuracy = "balanced"
+
     summable = False
     unbiased = False
 

@@ -43,6 +43,8 @@ class TernGrad(Compressor):
       >>> c = tf_gradsync.compression.get("terngrad")
     """
 
+    accuracy = "balanced"
+
     summable = False
     default_error_feedback = False
 

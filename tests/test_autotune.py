@@ -1,0 +1,114 @@
+"""Autotune: measurements in, the cost model's fastest choice out, installed and identical
+on every worker."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_gradsync as gs
+from tf_gradsync import autotuning, costmodel
+from tf_gradsync.algorithms.cost import Link, exchange_seconds
+
+BIG = [((2000, 2000), tf.float32), ((2000,), tf.float32)]
+
+
+def test_classes_are_nested_and_drawn_from_the_compressors():
+    lossless = autotuning.candidates("lossless")
+    balanced = autotuning.candidates("balanced")
+    aggressive = autotuning.candidates("aggressive")
+    assert sorted(lossless) == ["bf16", "fp16", "none"]
+    assert set(lossless) < set(balanced) < set(aggressive) == set(gs.compression.names())
+    assert {"int8", "powersgd", "sign"} <= set(balanced)
+    assert not {"topk", "threshold", "dgc"} & set(balanced)
+    with pytest.raises(ValueError, match="unknown accuracy class 'fast'; valid: lossless, "
+                                         "balanced, aggressive"):
+        autotuning.candidates("fast")
+
+
+def test_the_decision_is_the_fastest_priced_candidate():
+    link = Link(50e-6, 125e6)
+    names = autotuning.candidates("balanced")
+    d = autotuning.decide(BIG, 4, link, 0.2, names, bucket_sizes=(4 << 20, 32 << 20))
+    assert d.predicted_step_s == min(r[3] for r in d.candidates)
+    assert (d.compressor, d.exchange, d.bucket_bytes) in {r[:3] for r in d.candidates}
+    # 16 MB at 1 Gbit/s, 4 workers: uncompressed, 0.19 s on the wire per 0.2 s step.
+    assert d.compressor != "none" and d.predicted_speedup > 1.5
+    # Every price is the cost model's own.
+    c = gs.CompressedAllReduce(d.compressor, bucket_bytes=d.bucket_bytes).compressor
+    p = costmodel.predict(c, costmodel.model_payloads(c, BIG, d.bucket_bytes, 4), d.exchange,
+                          4, link, 0.2)
+    assert p.step_s == pytest.approx(d.predicted_step_s)
+    ops = d.ops(timeout_seconds=30)
+    assert ops.compressor.name in (d.compressor, "error_feedback")
+    assert ops.bucket_bytes == d.bucket_bytes
+
+
+def test_a_fast_link_and_a_lossless_class_keep_it_uncompressed_or_16_bit():
+    d = autotuning.decide(BIG, 2, Link(1e-6, 50e9), 0.5, autotuning.candidates("lossless"))
+    assert d.compressor in ("none", "fp16", "bf16")
+    assert d.predicted_speedup == pytest.approx(1.0, abs=0.05)
+
+
+def test_link_fit_recovers_latency_and_bandwidth():
+    n, true = 4, Link(2e-4, 3e8)
+    sizes = [4096, 65536, 1 << 20, 1 << 23]
+    seconds = [exchange_seconds("ring", n, s, true) for s in sizes]
+    fit = autotuning.fit_link(sizes, seconds, n)
+    assert fit.latency_s == pytest.approx(true.latency_s, rel=1e-6)
+    assert fit.bytes_per_s == pytest.approx(true.bytes_per_s, rel=1e-6)
+
+
+def test_autotune_measures_installs_and_trains(devices):
+    strategy = tf.distribute.MirroredStrategy(devices)
+    with strategy.scope():
+        model = tf.keras.Sequential([tf.keras.Input((32,)), tf.keras.layers.Dense(64),
+                                     tf.keras.layers.Dense(4)])
+    calls = []
+    ops = gs.autotune(strategy, model, compute=lambda: calls.append(1),
+                      compressors=["none", "fp16", "topk"], probe_bytes=(4096, 1 << 16),
+                      calibrate_numel=20_000, bucket_sizes=(1 << 20,))
+    assert len(calls) == 4                       # one warm-up and three timed
+    assert gs._tf_compat.cross_device_ops_of(strategy) is ops
+    assert ops.decision.compressor in ("none", "fp16", "topk")
+    assert ops.decision.link.bytes_per_s > 0 and ops.decision.link.latency_s > 0
+    # The installed ops serve the strategy's gradient reduction.
+    x = tf.random.stateless_normal([8, 32], (1, 2))
+    opt = tf.keras.optimizers.SGD(0.1)
+
+    @tf.function
+    def step():
+        def fn():
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(model(x) ** 2)
+            grads = tape.gradient(loss, model.trainable_variables)
+            opt.apply_gradients(zip(grads, model.trainable_variables))
+        strategy.run(fn)
+    with strategy.scope():
+        step()
+    assert ops.stats()["steps"] >= 1
+
+
+def test_autotune_refuses_bad_input(devices):
+    strategy = tf.distribute.MirroredStrategy(devices)
+    weights = [((4, 4), tf.float32)]
+    with pytest.raises(ValueError, match="compute must be seconds per step"):
+        gs.autotune(strategy, weights, compute="fast")
+    with pytest.raises(ValueError, match="unknown compressor 'zip'"):
+        gs.autotune(strategy, weights, compute=0.1, compressors=["zip"])
+    busy = tf.distribute.MirroredStrategy(devices, cross_device_ops=gs.CompressedAllReduce("fp16"))
+    with pytest.raises(ValueError, match="already uses CompressedAllReduce"):
+        gs.autotune(busy, weights, compute=0.1)
+
+
+@pytest.mark.slow
+def test_every_worker_reaches_the_same_decision(tmp_path):
+    """Two workers measure different compute times (1 and 2 ms); the averaged
+    measurements give one decision, and training under it keeps the workers equal."""
+    import _worker  # tests/_worker.py
+    ranks = _worker.launch(str(tmp_path), "--compression=autotune", "--steps=5")
+    a, b = (r["decision"] for r in ranks)
+    assert a == b
+    assert a["compute_s"] == pytest.approx(0.0015, rel=1e-3)
+    assert ranks[0]["fingerprints"] == ranks[1]["fingerprints"]
+    np.testing.assert_array_equal(np.asarray(ranks[0]["weights"][0]),
+                                  np.asarray(ranks[1]["weights"][0]))

@@ -1,0 +1,137 @@
+"""The cost model against what the library really sends, and against its formulas."""
+
+import math
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_gradsync as gs
+from tf_gradsync import costmodel
+from tf_gradsync.algorithms.cost import Link, bytes_sent, exchange_seconds, parse_bandwidth
+from tf_gradsync.compression import Layout
+
+#: A small model's weights: a conv kernel, a dense kernel and biases.
+SPECS = [((3, 3, 8, 16), tf.float32), ((16,), tf.float32), ((400, 64), tf.float32),
+         ((64,), tf.float32)]
+
+
+@pytest.mark.parametrize("text,bits", [("100mbit", 1e8), ("1gbit", 1e9), ("25Gbit", 25e9),
+                                       ("2.5gbit", 2.5e9), ("10mbps", 8e7), (4e9, 4e9)])
+def test_bandwidths_parse_as_tc_writes_them(text, bits):
+    assert parse_bandwidth(text) == pytest.approx(bits / 8)
+
+
+@pytest.mark.parametrize("text", ["fast", "1 gigabit", "-1gbit", "0mbit", "", True])
+def test_bad_bandwidths_say_what_is_allowed(text):
+    with pytest.raises(ValueError, match="bandwidth"):
+        parse_bandwidth(text)
+
+
+def test_link_rejects_bad_values():
+    with pytest.raises(ValueError, match="latency_s"):
+        Link(latency_s=-1)
+    with pytest.raises(ValueError, match="bytes_per_s"):
+        Link(bytes_per_s=0)
+
+
+@pytest.mark.parametrize("n", [2, 3, 8, 64])
+def test_exchange_prices_follow_alpha_beta(n):
+    a, b, p = 1e-4, 1e9, 4e6
+    link = Link(a, b)
+    assert exchange_seconds("ring", n, p, link) == pytest.approx(2 * (n - 1) * (a + p / n / b))
+    assert exchange_seconds("tree", n, p, link) == pytest.approx(
+        2 * math.ceil(math.log2(n)) * a + 2 * (n - 1) / n * p / b)
+    assert exchange_seconds("gather", n, p, link) == pytest.approx((n - 1) * (a + p / b))
+    assert exchange_seconds("two_phase", n, p, link, server_bytes=2 * p) == pytest.approx(
+        2 * (n - 1) * a + (n - 1) / n * 3 * p / b)
+    fast = Link(1e-6, 1e11)
+    assert exchange_seconds("hierarchical", n, p, link, local=4, local_link=fast) == pytest.approx(
+        exchange_seconds("ring", 4, p, fast) + exchange_seconds("ring", n, p, link))
+    assert bytes_sent("gather", n, p) == (n - 1) * p
+    assert bytes_sent("ring", n, p) == pytest.approx(2 * (n - 1) / n * p)
+    assert exchange_seconds("gather", 1, p, link) == 0
+
+
+def test_unknown_exchange_names_the_valid_ones():
+    with pytest.raises(ValueError, match="ring, tree, gather, two_phase, hierarchical"):
+        exchange_seconds("butterfly", 4, 1e6)
+
+
+@pytest.mark.parametrize("name", gs.compression.names())
+def test_round_bytes_are_those_of_the_payload_sent(name):
+    """The model's bytes per bucket equal the payload tensors the compressor sends in
+    its steady state, through the protocol driver (as `CompressedAllReduce` builds it)."""
+    compressor = gs.CompressedAllReduce(name).compressor
+    layout = Layout(((400, 64),))
+    rounds = costmodel.bucket_rounds(compressor, layout)
+    x = tf.random.stateless_normal([layout.numel], (1, 2))
+    run = costmodel.roundtrip_fn(compressor, layout)
+    run(x)
+    _, sent = run(x)
+    assert sum(b for _, b in rounds) == int(sent)
+    transports = {t for t, _ in rounds}
+    assert transports == ({gs.compression.SUM} if compressor.summable else {gs.compression.GATHER})
+
+
+@pytest.mark.parametrize("name", ["fp16", "int8", "topk", "sign", "powersgd"])
+def test_predicted_bytes_match_the_pipeline(devices, name):
+    """Bytes per replica predicted for 4 replicas against `stats()` of one reduction on
+    4 devices (gathered payloads: (N-1) P; summed: 2(N-1)/N P), past any warm-up."""
+    compressor = gs.compression.get(name, **({"start_iter": 0} if name == "powersgd" else {}))
+    ops = gs.CompressedAllReduce(compressor, exchange="gather", bucket_bytes=64 * 1024)
+    values = []
+    for i, (shape, dtype) in enumerate(SPECS):
+        per_device = []
+        for r, d in enumerate(devices):
+            with tf.device(d):
+                per_device.append(tf.random.stateless_normal(shape, (i, r), dtype=dtype))
+        values.append(gs._tf_compat.per_replica(per_device))
+    ops.batch_reduce(tf.distribute.ReduceOp.MEAN, [(v, v) for v in values])
+    sent = ops.stats()["last_bytes_sent"]
+    payloads = costmodel.model_payloads(ops.compressor, SPECS, 64 * 1024, len(devices))
+    exchange = costmodel.exchanges_for(ops.compressor)[0]
+    p = costmodel.predict(ops.compressor, payloads, exchange, len(devices), Link(), 0.0)
+    assert p.bytes_per_worker == pytest.approx(sent, rel=1e-6), (p, sent)
+
+
+def test_step_adds_compute_codec_and_wire_and_overlap_hides_all_but_the_last_bucket():
+    payloads = costmodel.model_payloads("fp16", SPECS, 4096, 4)
+    assert len(payloads) > 2
+    link = Link(1e-3, 1e6)
+    plain = costmodel.predict("fp16", payloads, "ring", 4, link, 0.5, throughput=1e9)
+    assert plain.step_s == pytest.approx(plain.compute_s + plain.wire_s + plain.codec_s)
+    assert plain.codec_s == pytest.approx(sum(b.dense_bytes for b in payloads) / 1e9)
+    hidden = costmodel.predict("fp16", payloads, "ring", 4, link, 100.0, throughput=1e9,
+                               overlap=1.0)
+    last = payloads[-1]
+    floor = exchange_seconds("ring", 4, last.rounds[0][1], link) + last.dense_bytes / 1e9
+    assert hidden.step_s == pytest.approx(100.0 + floor)
+    shared = costmodel.predict("fp16", payloads, "ring", 4, link, 0.5, throughput=1e9,
+                               cpu_share=0.5)
+    assert shared.codec_s == pytest.approx(2 * plain.codec_s)
+
+
+def test_gathered_payloads_are_cheaper_in_two_phases_at_scale():
+    payloads = costmodel.model_payloads("topk", [((2000, 2000), tf.float32)], 32 << 20, 16)
+    link = Link(50e-6, 125e6)
+    gather = costmodel.predict("topk", payloads, "gather", 16, link, 0.1)
+    two = costmodel.predict("topk", payloads, "two_phase", 16, link, 0.1)
+    assert two.bytes_per_worker < gather.bytes_per_worker / 4
+    assert two.wire_s < gather.wire_s
+
+
+def test_predict_refuses_an_exchange_the_payload_cannot_take():
+    payloads = costmodel.model_payloads("topk", SPECS, 4096, 2)
+    with pytest.raises(ValueError, match="topk cannot travel in 'ring'; valid: gather, two_phase"):
+        costmodel.predict("topk", payloads, "ring", 2, Link(), 0.1)
+    with pytest.raises(ValueError, match="overlap"):
+        costmodel.predict("topk", payloads, "gather", 2, Link(), 0.1, overlap=2)
+
+
+def test_measured_throughput_is_positive_and_counts_the_payload():
+    row = costmodel.measure_throughput("int8", 100_000, repeats=2)
+    assert row["bytes_per_s"] > 0 and np.isfinite(row["seconds"])
+    assert row["payload_bytes"] == sum(
+        b for _, b in costmodel.bucket_rounds(gs.compression.get("int8"),
+                                              Layout((costmodel.matrix_shape(100_000),))))

@@ -1,0 +1,83 @@
+"""`python -m tf_gradsync.plan`: rows priced by the cost model, from the command line."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import tensorflow as tf
+
+from tf_gradsync import costmodel, plan
+from tf_gradsync.algorithms.cost import Link, parse_bandwidth
+from tf_gradsync.bench import ops_from_spec
+
+KEYS = {"compressor", "exchange", "bytes_per_worker", "predicted_step_s", "predicted_speedup"}
+
+
+def _cli(*args, timeout=300):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    return subprocess.run([sys.executable, "-m", "tf_gradsync.plan", *args], capture_output=True,
+                          text=True, timeout=timeout, env=env)
+
+
+def test_rows_are_the_cost_models_predictions():
+    specs = plan.specs_of(None, 1_000_000)
+    rows = plan.plan(specs, ["fp16", "topk", "powersgd"], [2, 8], ["100mbit", "10gbit"], 0.05)
+    assert len(rows) == 2 * 2 * (2 + 2 + 2)         # (workers, rate) x exchanges
+    for r in rows:
+        assert KEYS <= set(r)
+        link = Link(50e-6, parse_bandwidth(r["bandwidth"]))
+        compressor = ops_from_spec(r["compressor"]).compressor
+        p = costmodel.predict(compressor, costmodel.model_payloads(compressor, specs, 32 << 20,
+                                                                   r["workers"]),
+                              r["exchange"], r["workers"], link, 0.05)
+        assert r["predicted_step_s"] == pytest.approx(p.step_s)
+        assert r["bytes_per_worker"] == round(p.bytes_per_worker)
+    slow = [r for r in rows if r["bandwidth"] == "100mbit" and r["workers"] == 8]
+    assert max(r["predicted_speedup"] for r in slow) > 10   # 4 MB at 100 Mbit/s, 8 workers
+    # Two phases send less than the gather at 8 workers.
+    topk = {r["exchange"]: r for r in slow if r["compressor"] == "topk"}
+    assert topk["two_phase"]["bytes_per_worker"] < topk["gather"]["bytes_per_worker"]
+
+
+def test_bert_large_has_its_335_million_weights():
+    n = sum(math.prod(s) for s, _ in plan.bert_large_specs())
+    assert 330e6 < n < 340e6
+
+
+def test_a_saved_model_is_read_by_path(tmp_path):
+    model = tf.keras.Sequential([tf.keras.Input((7,)), tf.keras.layers.Dense(3)])
+    path = str(tmp_path / "m.keras")
+    model.save(path)
+    assert plan.specs_of(path, None) == [((7, 3), tf.float32), ((3,), tf.float32)]
+
+
+def test_the_command_line_prints_and_writes_rows(tmp_path):
+    out = tmp_path / "plan.json"
+    proc = _cli("--params=250000", "--workers=4", "--bandwidth=1gbit", "--compute_s=0.01",
+                "--compressors=none,fp16,sign", f"--json={out}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "| compressor | exchange |" in proc.stdout
+    rows = json.loads(out.read_text())
+    assert {(r["compressor"], r["exchange"]) for r in rows} == {
+        ("none", "ring"), ("none", "tree"), ("fp16", "ring"), ("fp16", "tree"),
+        ("sign", "gather"), ("sign", "two_phase")}
+    assert all(KEYS <= set(r) for r in rows)
+    best_none = max(r["predicted_speedup"] for r in rows if r["compressor"] == "none")
+    assert best_none == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--params=1000"], "give --compute_s"),
+    (["--params=1000", "--compute_s=1", "--bandwidth=fast"], "bandwidth 'fast' is not a rate"),
+    (["--model=nosuchnet", "--compute_s=1"], "unknown model 'nosuchnet'"),
+    (["--compute_s=1"], "give exactly one of --params"),
+    (["--params=1000", "--compute_s=1", "--workers=0"], "--workers must be integers >= 1"),
+    (["--params=1000", "--compute_s=1", "--compressors=zip"], "unknown compressor 'zip'"),
+])
+def test_bad_flags_say_what_is_wrong(args, message):
+    with pytest.raises(SystemExit) as e:
+        plan.main(["plan", *args])
+    assert message in str(e.value)

@@ -1,0 +1,133 @@
+"""Alpha-beta prices of the exchanges: seconds and bytes per member for N members.
+
+A link is a latency per message (alpha) and a bandwidth (beta); each exchange sends a
+known number of messages and bytes per member. `exchange="auto"` and the step model
+(`tf_gradsync.costmodel`) both price exchanges here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+#: Exchanges priced here. "ring" and "tree" all-reduce summable payloads, "gather"
+#: and "two_phase" move the others, "hierarchical" all-reduces within each worker's
+#: devices, then between workers.
+KINDS = ("ring", "tree", "gather", "two_phase", "hierarchical")
+#: What "auto" assumes of a link: latency per message and bandwidth.
+LATENCY_S = 50e-6
+BYTES_PER_S = 125e6
+
+#: tc's rate units, in bits per second.
+UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
+         "kibit": 2**10, "mibit": 2**20, "gibit": 2**30,
+         "bps": 8, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9}
+
+
+def parse_bandwidth(text: str | float) -> float:
+    """Bytes per second of a rate written as tc writes it ("100mbit", "1gbit",
+    "25gbit"; "mbps" means megabytes per second) or as a number of bits per second.
+
+    Raises:
+      ValueError: for text in no such form, or a rate that is not positive.
+
+    Example:
+      >>> parse_bandwidth("1gbit")
+      125000000.0
+    """
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        bits = float(text)
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)\s*", str(text).lower())
+        if not m or m.group(2) not in ("", *UNITS):
+            raise ValueError(f"bandwidth {text!r} is not a rate; write e.g. 100mbit, 1gbit, "
+                             f"25gbit (units: {', '.join(UNITS)}; a bare number is bit/s)")
+        bits = float(m.group(1)) * UNITS.get(m.group(2), 1)
+    if not bits > 0 or math.isinf(bits):
+        raise ValueError(f"bandwidth must be a positive rate, got {text!r}")
+    return bits / 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """A link's latency per message (alpha, seconds) and bandwidth (beta, bytes/s).
+
+    Defaults: 50 us and 1 Gbit/s, what `exchange="auto"` assumes.
+    """
+
+    latency_s: float = LATENCY_S
+    bytes_per_s: float = BYTES_PER_S
+
+    def __post_init__(self):
+        if not self.latency_s >= 0:
+            raise ValueError(f"latency_s must be >= 0 seconds, got {self.latency_s!r}")
+        if not self.bytes_per_s > 0:
+            raise ValueError(f"bytes_per_s must be > 0, got {self.bytes_per_s!r}")
+
+    def seconds(self, messages: float, nbytes_: float) -> float:
+        """`messages` latencies plus `nbytes_` at the link's bandwidth."""
+        return messages * self.latency_s + nbytes_ / self.bytes_per_s
+
+
+def exchange_seconds(kind: str, workers: int, payload_bytes: float, link: Link = Link(),
+                     server_bytes: float | None = None, local: int = 1,
+                     local_link: Link | None = None) -> float:
+    """Seconds one worker spends in one exchange of one bucket (alpha-beta model).
+
+    With N workers and a payload of P bytes (per worker):
+      ring:       2(N-1) messages, 2(N-1)/N P bytes (reduce-scatter + all-gather);
+      tree:       2 ceil(log2 N) messages, 2(N-1)/N P bytes (halving-doubling);
+      gather:     N-1 messages, (N-1) P bytes;
+      two_phase:  2(N-1) messages, (N-1)/N (P + S) bytes, S the re-compressed chunks;
+      hierarchical: a ring among the `local` devices of each worker on `local_link`
+        (reduce, then broadcast), and a ring of the full payload among N workers.
+
+    Args:
+      kind: one of `KINDS`.
+      workers: N, the members of the exchange (for "hierarchical", workers).
+      payload_bytes: P. For "two_phase", one member's chunk payloads, summed.
+      link: the link between members.
+      server_bytes: S, two phases only (default: P).
+      local: devices per worker, "hierarchical" only.
+      local_link: the link between a worker's devices (default: `link`).
+
+    Raises:
+      ValueError: for an unknown kind or fewer than one worker.
+    """
+    n = workers
+    if not (isinstance(n, int) and n >= 1):
+        raise ValueError(f"workers must be an integer >= 1, got {workers!r}")
+    if n == 1 and kind != "hierarchical":
+        return 0.0
+    if kind == "ring":
+        return link.seconds(2 * (n - 1), 2 * (n - 1) / n * payload_bytes)
+    if kind == "tree":
+        return link.seconds(2 * math.ceil(math.log2(n)), 2 * (n - 1) / n * payload_bytes)
+    if kind == "gather":
+        return link.seconds(n - 1, (n - 1) * payload_bytes)
+    if kind == "two_phase":
+        server = payload_bytes if server_bytes is None else server_bytes
+        return link.seconds(2 * (n - 1), (n - 1) / n * (payload_bytes + server))
+    if kind == "hierarchical":
+        inner = exchange_seconds("ring", local, payload_bytes, local_link or link) if local > 1 else 0
+        return inner + exchange_seconds("ring", n, payload_bytes, link)
+    raise ValueError(f"unknown exchange {kind!r}; valid: {', '.join(KINDS)}")
+
+
+def bytes_sent(kind: str, workers: int, payload_bytes: float,
+               server_bytes: float | None = None) -> float:
+    """Bytes one member sends in one exchange of one bucket (see `exchange_seconds`)."""
+    n = workers
+    if kind in ("ring", "tree", "hierarchical"):
+        return 2 * (n - 1) / n * payload_bytes
+    if kind == "gather":
+        return (n - 1) * payload_bytes
+    if kind == "two_phase":
+        server = payload_bytes if server_bytes is None else server_bytes
+        return (n - 1) / n * (payload_bytes + server)
+    raise ValueError(f"unknown exchange {kind!r}; valid: {', '.join(KINDS)}")
+
+
+__all__ = ["BYTES_PER_S", "KINDS", "LATENCY_S", "Link", "UNITS", "bytes_sent", "exchange_seconds",
+           "parse_bandwidth"]

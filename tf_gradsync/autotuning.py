@@ -1,0 +1,285 @@
+"""Autotune: measure the link, the compressors and the step, then let the cost model
+choose the compressor, `bucket_bytes` and exchange.
+
+`autotune(strategy, model, compute=...)` probes the strategy's real link with exact
+all-reduces of several sizes (fitting latency and bandwidth), times each candidate
+compressor's compress + decompress on this machine and the step's compute, averages
+every measurement over the workers (so each worker reaches the same decision), prices
+every candidate with `tf_gradsync.costmodel` and returns (and installs) the fastest
+`CompressedAllReduce` within the accuracy class asked for.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import tensorflow as tf
+from absl import logging
+
+from tf_gradsync import _tf_compat, compression, costmodel
+from tf_gradsync.algorithms.cost import Link
+from tf_gradsync.cross_device_ops import CompressedAllReduce
+
+#: Accuracy classes, each including the ones before it (see `Compressor.accuracy`).
+CLASSES = ("lossless", "balanced", "aggressive")
+#: Candidate bucket sizes.
+BUCKET_SIZES = (4 * 2**20, 32 * 2**20, 128 * 2**20)
+#: Bytes of the probing all-reduces.
+PROBE_BYTES = (2**12, 2**16, 2**20, 2**23)
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """What autotune chose, and what it expects.
+
+    Attributes:
+      compressor: the chosen compressor's name.
+      exchange: "ring", "tree", "gather" or "two_phase" (see `costmodel`).
+      bucket_bytes: the chosen bucket size.
+      predicted_step_s: its predicted step.
+      predicted_speedup: uncompressed training's best predicted step over it.
+      link: the link it was priced on.
+      compute_s: the step's compute it was priced with.
+      candidates: every priced `(compressor, exchange, bucket_bytes, step_s)`.
+    """
+
+    compressor: str
+    exchange: str
+    bucket_bytes: int
+    predicted_step_s: float
+    predicted_speedup: float
+    link: Link
+    compute_s: float
+    candidates: tuple = ()
+
+    def ops(self, **kwargs) -> CompressedAllReduce:
+        """The `CompressedAllReduce` of this decision (`kwargs`: its other arguments)."""
+        exchange = self.exchange if self.exchange in ("gather", "two_phase") else "auto"
+        return CompressedAllReduce(self.compressor, bucket_bytes=self.bucket_bytes,
+                                   exchange=exchange, **kwargs)
+
+
+def candidates(accuracy: str) -> list[str]:
+    """Registered compressors whose `accuracy` is within the class `accuracy`.
+
+    Raises:
+      ValueError: for an unknown class.
+    """
+    if accuracy not in CLASSES:
+        raise ValueError(f"unknown accuracy class {accuracy!r}; valid: {', '.join(CLASSES)}")
+    allowed = CLASSES[:CLASSES.index(accuracy) + 1]
+    return [n for n in compression.names() if compression.get(n).accuracy in allowed]
+
+
+def decide(specs: Sequence[tuple[Sequence[int], tf.DType]], workers: int, link: Link,
+           compute_s: float, compressors: Sequence[str],
+           throughput: dict[str, float] | None = None,
+           bucket_sizes: Sequence[int] = BUCKET_SIZES, overlap: float = 0.0,
+           cpu_share: float = 1.0) -> Decision:
+    """The fastest predicted `(compressor, exchange, bucket_bytes)` among `compressors`.
+
+    Pure: the same arguments give the same decision on every worker. Ties go to the
+    compressor listed first, then the smaller bucket.
+
+    Args:
+      specs: `(shape, dtype)` per trainable weight.
+      workers: replicas of the reduction.
+      link: the link between them.
+      compute_s: forward + backward seconds per step.
+      compressors: candidate names (`none` is priced as the reference in any case).
+      throughput: compress + decompress bytes/s per name (default: the cost model's).
+      bucket_sizes: candidate `bucket_bytes`.
+      overlap, cpu_share: see `costmodel.predict`.
+    """
+    priced, reference = [], float("inf")
+    for bucket_bytes in bucket_sizes:
+        for name in dict.fromkeys(["none", *compressors]):
+            c = CompressedAllReduce(name, bucket_bytes=bucket_bytes).compressor
+            payloads = costmodel.model_payloads(c, specs, bucket_bytes, workers)
+            rate = (throughput or {}).get(name)
+            for exchange in costmodel.exchanges_for(c):
+                p = costmodel.predict(c, payloads, exchange, workers, link, compute_s, rate,
+                                      overlap, cpu_share)
+                if name == "none":
+                    reference = min(reference, p.step_s)
+                if name in compressors:
+                    priced.append((name, exchange, bucket_bytes, float(p.step_s)))
+    if not priced:
+        raise ValueError("no candidate compressor to choose from")
+    order = {n: i for i, n in enumerate(compressors)}
+    best = min(priced, key=lambda r: (round(r[3], 9), order[r[0]], r[2]))
+    return Decision(best[0], best[1], best[2], best[3], reference / best[3], link, compute_s,
+                    tuple(priced))
+
+
+def fit_link(sizes: Sequence[float], seconds: Sequence[float], members: int) -> Link:
+    """Latency and bandwidth from timed ring all-reduces of `sizes` bytes.
+
+    A ring all-reduce of S bytes among N members takes 2(N-1) latencies and moves
+    2(N-1)/N S bytes: a straight line in S whose intercept and slope give both.
+    Negative fits (noise) are clamped to a microsecond and to the steepest bandwidth
+    seen.
+    """
+    s, t = np.asarray(sizes, float), np.asarray(seconds, float)
+    slope, intercept = np.polyfit(s, t, 1) if len(s) > 1 else (t[0] / s[0], 0.0)
+    n = max(members, 2)
+    latency = max(intercept / (2 * (n - 1)), 1e-6)
+    per_byte = slope / (2 * (n - 1) / n)
+    if per_byte <= 0:
+        per_byte = min(t / (2 * (n - 1) / n * s))
+    return Link(float(latency), float(1.0 / per_byte))
+
+
+def _median_seconds(fn: Callable[[], Any], repeats: int) -> float:
+    tf.nest.map_structure(_wait, fn())                   # trace and warm up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        tf.nest.map_structure(_wait, fn())
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def _wait(t):
+    return t.numpy() if hasattr(t, "numpy") else t
+
+
+def probe_link(strategy: tf.distribute.Strategy, sizes: Sequence[int] = PROBE_BYTES,
+               repeats: int = 5) -> list[float]:
+    """Median seconds of an exact all-reduce of each of `sizes` bytes (float32) through
+    `strategy`'s cross-device ops, on this worker."""
+    out = []
+    for size in sizes:
+        numel = max(1, size // 4)
+
+        @tf.function
+        def step(numel=numel):
+            def fn():
+                # Made on each replica's device: what is timed is the exchange.
+                x = tf.ones([numel], tf.float32)
+                return tf.distribute.get_replica_context().all_reduce("SUM", x)
+            return strategy.experimental_local_results(strategy.run(fn))[0]
+        out.append(_median_seconds(step, repeats))
+    return out
+
+
+def _mean_over_workers(strategy: tf.distribute.Strategy, values: Sequence[float]) -> list[float]:
+    """Every worker's `values` averaged (exactly): every worker gets the same numbers."""
+    v = tf.constant(values, tf.float32)
+
+    @tf.function
+    def total():
+        return strategy.reduce("SUM", strategy.run(lambda: tf.identity(v)), axis=None)
+    return [float(x) / strategy.num_replicas_in_sync for x in total().numpy()]
+
+
+def _specs(weights) -> list[tuple[tuple[int, ...], tf.DType]]:
+    weights = getattr(weights, "trainable_weights", weights)
+    out = []
+    for w in weights:
+        if isinstance(w, tuple) and len(w) == 2:
+            out.append((tuple(int(d) for d in w[0]), tf.as_dtype(w[1])))
+        else:
+            out.append((tuple(int(d) for d in w.shape), tf.as_dtype(w.dtype)))
+    return out
+
+
+def autotune(strategy: tf.distribute.Strategy, weights, *, compute: float | Callable[[], Any],
+             accuracy: str = "balanced", compressors: Sequence[str] | None = None,
+             bucket_sizes: Sequence[int] = BUCKET_SIZES, probe_bytes: Sequence[int] = PROBE_BYTES,
+             calibrate_numel: int = 2**20, overlap: float = 0.0, install: bool = True,
+             **ops_kwargs) -> CompressedAllReduce:
+    """Measures, decides (`decide`) and returns a ready `CompressedAllReduce`.
+
+    Call it after creating the strategy and before building the model's training
+    step: it probes the link through the strategy's exact cross-device ops, so these
+    must not compress yet (TensorFlow's own, or a `CompressedAllReduce("none")`). With
+    `install` (default) the chosen ops replace the strategy's (a
+    `tf_gradsync.MultiWorkerMirroredStrategy` or a `tf.distribute.MirroredStrategy`).
+
+    Args:
+      strategy: the strategy training will run under.
+      weights: a Keras model (its trainable weights), a list of variables or of
+        `(shape, dtype)` pairs.
+      compute: forward + backward seconds per step, or a function running one such
+        step (without gradient synchronisation), timed here.
+      accuracy: "lossless" (none, fp16, bf16), "balanced" (adds the compressors within
+        about a point of uncompressed training on every measured recipe) or
+        "aggressive" (every compressor); see `Compressor.accuracy`.
+      compressors: the candidates instead of the class's.
+      bucket_sizes: candidate `bucket_bytes`.
+      probe_bytes: sizes of the probing all-reduces.
+      calibrate_numel: elements each candidate compresses when timed.
+      overlap: see `costmodel.predict` (0: `CompressedAllReduce` gets every gradient at
+        once).
+      install: make the strategy use the result.
+      **ops_kwargs: further `CompressedAllReduce` arguments (e.g. `timeout_seconds`).
+
+    Returns:
+      The chosen `CompressedAllReduce`; its `decision` attribute is the `Decision`.
+
+    Raises:
+      ValueError: for an unknown accuracy class or compressor, a strategy whose ops
+        already compress, or a `compute` that is neither a number nor callable.
+
+    Example:
+      >>> strategy = tf_gradsync.MultiWorkerMirroredStrategy()
+      >>> with strategy.scope():
+      ...     model = build_model()
+      >>> ops = tf_gradsync.autotune(strategy, model, compute=0.25)
+      >>> model.compile(...); model.fit(...)
+    """
+    names = list(compressors) if compressors is not None else candidates(accuracy)
+    for n in names:
+        compression.get(n)                     # a clear error for an unknown name
+    current = _tf_compat.cross_device_ops_of(strategy)
+    if isinstance(current, CompressedAllReduce) and current.compressor.name != "none":
+        raise ValueError(f"autotune probes the link with exact all-reduces, but the strategy "
+                         f"already uses {current!r}; create it without cross_device_ops or "
+                         "with CompressedAllReduce('none')")
+    if callable(compute):
+        compute_s = _median_seconds(compute, 3)
+    elif isinstance(compute, (int, float)) and not isinstance(compute, bool) and compute >= 0:
+        compute_s = float(compute)
+    else:
+        raise ValueError(f"compute must be seconds per step (>= 0) or a function running "
+                         f"one step, got {compute!r}")
+    specs = _specs(weights)
+    workers = strategy.num_replicas_in_sync
+    probe = probe_link(strategy, probe_bytes) if workers > 1 else []
+    rates = [costmodel.measure_throughput(CompressedAllReduce(n).compressor, calibrate_numel, 3)
+             ["bytes_per_s"] for n in dict.fromkeys(["none", *names])]
+    measured = _mean_over_workers(strategy, [*probe, compute_s, *rates])
+    probe, compute_s = measured[:len(probe)], measured[len(probe)]
+    throughput = dict(zip(dict.fromkeys(["none", *names]), measured[len(probe) + 1:]))
+    link = fit_link(probe_bytes, probe, workers) if workers > 1 else Link()
+    decision = decide(specs, workers, link, compute_s, names, throughput, bucket_sizes, overlap)
+    ops = decision.ops(**ops_kwargs)
+    ops.decision = decision
+    logging.info("tf_gradsync.autotune: %s, exchange %s, bucket_bytes %d: predicted %.4g s per "
+                 "step, %.2fx uncompressed (link %.3g us, %.4g Gbit/s; compute %.4g s; %d "
+                 "replicas)", decision.compressor, decision.exchange, decision.bucket_bytes,
+                 decision.predicted_step_s, decision.predicted_speedup, link.latency_s * 1e6,
+                 link.bytes_per_s * 8e-9, compute_s, workers)
+    if install:
+        _install(strategy, ops)
+    return ops
+
+
+def _install(strategy: tf.distribute.Strategy, ops: CompressedAllReduce) -> None:
+    use = getattr(strategy, "use_cross_device_ops", None)
+    if use is not None:                        # tf_gradsync.MultiWorkerMirroredStrategy
+        use(ops)
+    elif isinstance(strategy, tf.distribute.MirroredStrategy):
+        _tf_compat.set_cross_device_ops(strategy, ops)
+    else:
+        raise ValueError(f"cannot install cross-device ops into {type(strategy).__name__}; "
+                         "use tf.distribute.MirroredStrategy or "
+                         "tf_gradsync.MultiWorkerMirroredStrategy, or pass install=False")
+
+
+__all__ = ["BUCKET_SIZES", "CLASSES", "Decision", "autotune", "candidates", "decide", "fit_link",
+           "probe_link"]

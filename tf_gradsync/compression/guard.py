@@ -1,0 +1,157 @@
+"""A run-time accuracy guard: a bucket whose compression error stays too high falls
+back to a less lossy compressor, and returns when the error would fall."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import tensorflow as tf
+
+from tf_gradsync.compression import _util
+from tf_gradsync.compression.base import (SUM, Compressor, Context, Layout, Message, Rounds,
+                                          StateSpec, get)
+
+_INNER, _FALLBACK = "inner_", "fallback_"
+
+
+def _zero_int(shape, dtype) -> tf.Tensor:
+    return tf.zeros(shape, dtype)
+
+
+class Guard(Compressor):
+    """Sends a bucket with `inner`, or with `fallback` while `inner` loses too much.
+
+    Each step every replica measures the relative compression error of its bucket,
+    ||x - C(x)|| / ||x|| (what `stats()["comm_error"]` reports), and the squared
+    error and norm are summed over every replica in one extra 8-byte all-reduce, so
+    every replica and worker sees the same pooled error and takes the same decision.
+    At the end of each `window` of steps, a bucket whose mean pooled error exceeded
+    `bound` switches to `fallback`; while it is there, each replica also measures what
+    `inner`'s codec would lose on its bucket (without sending it), and the bucket
+    returns to `inner`, with its state (residuals) reset, once that mean falls to
+    `bound` or below. Non-finite steps are left out of the means.
+
+    State per bucket and replica: `inner`'s and `fallback`'s (prefixed `inner_`,
+    `fallback_`), the window's error sum and step count, and the level (0: inner).
+
+    Args:
+      inner: the compressor to guard (a name or instance, e.g. wrapped in
+        `ErrorFeedback`); single-bucket exchanges only (not cut into two phases).
+      fallback: the less lossy compressor (default fp16).
+      bound: the largest tolerated mean relative error, in (0, 1]. Error feedback
+        keeps a compressor's error high by design (top-k at 1% reports 0.94-0.96 on
+        the digits CNN and trains as uncompressed training does), so the default,
+        0.99, only catches a compressor that keeps next to nothing.
+      window: steps per decision, an integer >= 1.
+
+    Raises:
+      ValueError: for a setting outside its range.
+
+    Example:
+      >>> g = Guard(ErrorFeedback(get("topk", ratio=1e-4)))
+    """
+
+    name = "guard"
+    unbiased = False
+    splittable = False
+
+    def __init__(self, inner: Compressor | str, fallback: Compressor | str = "fp16",
+                 bound: float = 0.99, window: int = 50):
+        _util.check_number("bound", bound, 0, 1, low_open=True)
+        _util.check_number("window", window, 1, integer=True)
+        self.inner, self.fallback = get(inner), get(fallback)
+        if type(self.inner.codec()).compress is Compressor.compress:
+            raise ValueError(f"Guard needs an inner compressor with a single-round codec to "
+                             f"measure while it falls back, got {self.inner!r}")
+        self.bound, self.window = bound, window
+        self.num_modes = self.inner.num_modes + self.fallback.num_modes
+        self.summable = self.inner.summable
+        self.floating_only = self.inner.floating_only or self.fallback.floating_only
+        self.accuracy = self.inner.accuracy
+
+    def check_input(self, x: tf.Tensor) -> None:
+        self.inner.check_input(x)
+        self.fallback.check_input(x)
+
+    def check_optimizer(self, optimizer: Any) -> None:
+        self.inner.check_optimizer(optimizer)
+        self.fallback.check_optimizer(optimizer)
+
+    def sparse_values_dtype(self, dtype: tf.DType) -> tf.DType | None:
+        return self.inner.sparse_values_dtype(dtype)
+
+    def state_spec(self, layout: Layout) -> dict[str, StateSpec]:
+        """Both compressors' state, `error_sum`, `count` and `level` (0: inner)."""
+        spec = {_INNER + k: s for k, s in self.inner.state_spec(layout).items()}
+        spec.update({_FALLBACK + k: s for k, s in self.fallback.state_spec(layout).items()})
+        spec.update({"error_sum": StateSpec((), tf.float32), "count": StateSpec((), tf.int64),
+                     "level": StateSpec((), tf.int32, _zero_int)})
+        return spec
+
+    @staticmethod
+    def _sub(ctx: Context, prefix: str, mode: int) -> Context:
+        state = {k[len(prefix):]: v for k, v in ctx.state.items() if k.startswith(prefix)}
+        return dataclasses.replace(ctx, state=state, mode=mode, errors=[])
+
+    def mode(self, ctx: Context) -> tf.Tensor:
+        """The inner compressor's modes while `level` is 0, then the fallback's."""
+        def of(c, prefix):
+            m = c.mode(self._sub(ctx, prefix, 0))
+            return tf.constant(0, tf.int32) if m is None else tf.cast(m, tf.int32)
+        level = ctx.state["level"]
+        return tf.where(level == 0, of(self.inner, _INNER),
+                        self.inner.num_modes + of(self.fallback, _FALLBACK))
+
+    def rounds(self, x: tf.Tensor, ctx: Context) -> Rounds:
+        on_inner = ctx.mode < self.inner.num_modes
+        if on_inner:
+            sub = self._sub(ctx, _INNER, ctx.mode)
+            reduced = yield from self.inner.rounds(x, sub)
+            terms = sub.errors
+        else:
+            sub = self._sub(ctx, _FALLBACK, ctx.mode - self.inner.num_modes)
+            n = ctx.num_replicas
+            # The fallback may need its input divided by the replica count (fp16's
+            # range); the guard as a whole does not prescale.
+            scale = 1.0 / n if self.fallback.prescale and n > 1 else 1.0
+            reduced = yield from self.fallback.rounds(x * tf.cast(scale, x.dtype), sub)
+            reduced = reduced / tf.cast(scale, reduced.dtype)
+            # What the inner codec would lose on this bucket, sent nowhere.
+            codec = self.inner.codec()
+            payload, meta = codec.compress(x, dataclasses.replace(ctx, state={}, errors=None))
+            probe = dataclasses.replace(ctx, errors=[])
+            probe.record_error(x, codec.decompress(payload, meta))
+            terms = probe.errors
+        if ctx.errors is not None:
+            ctx.errors.extend(sub.errors)
+        err = tf.add_n([tf.cast(e, tf.float32) for e, _ in terms]) if terms else tf.zeros([])
+        norm = tf.add_n([tf.cast(v, tf.float32) for _, v in terms]) if terms else tf.zeros([])
+        (pooled,) = yield Message((tf.stack([err, norm]),), SUM)
+        self._decide(pooled, ctx, on_inner, ctx.layout_of(x))
+        return reduced
+
+    def _decide(self, pooled: tf.Tensor, ctx: Context, on_inner: bool, layout: Layout) -> None:
+        s = ctx.state
+        finite = tf.reduce_all(tf.math.is_finite(pooled))
+        relative = tf.sqrt(tf.math.divide_no_nan(pooled[0], pooled[1]))
+        total = s["error_sum"] + tf.where(finite, relative, 0.0)
+        count = s["count"] + tf.cast(finite, tf.int64)
+        end = count >= self.window
+        mean = total / tf.cast(tf.maximum(count, 1), tf.float32)
+        level = s["level"].read_value()
+        new = tf.where(end, tf.cast(mean > self.bound, tf.int32), level)
+        if not on_inner:
+            # Back to the inner compressor with a clean memory: its residual stopped
+            # when the fallback took over and no longer matches the model.
+            back = new < level
+            for k, spec in self.inner.state_spec(layout).items():
+                v = s[_INNER + k]
+                v.assign(tf.where(back, spec.initializer(spec.shape, spec.dtype), v))
+        s["level"].assign(new)
+        s["error_sum"].assign(tf.where(end, 0.0, total))
+        s["count"].assign(tf.where(end, tf.zeros_like(count), count))
+
+    def __repr__(self) -> str:
+        return (f"Guard({self.inner!r}, fallback={self.fallback!r}, bound={self.bound}, "
+                f"window={self.window})")

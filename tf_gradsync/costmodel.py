@@ -1,0 +1,266 @@
+"""The cost model: predicted seconds of a synchronous data-parallel step.
+
+A step costs its compute, the compressors' CPU work and the exchanges' time on the
+link, less what overlaps. Each part comes from something measurable:
+
+* the link: latency per message (alpha) and bandwidth (beta), and each exchange's
+  messages and bytes for N workers (`tf_gradsync.algorithms.cost`): ring and
+  halving-doubling all-reduce, all-gather, two phases, hierarchical;
+* each compressor's payload for each bucket of a model's bucket plan, from the payload
+  tensors the compressor itself builds for that bucket's layout (`bucket_rounds`),
+  so layer-aware statistics (per-tensor scales, per-matrix PowerSGD factors) count;
+* the compressor's throughput on the device (`THROUGHPUT`, or measured);
+* the step's compute and how much of the exchange hides behind backprop (`overlap`).
+
+`predict` combines them for one compressor and exchange; `python -m tf_gradsync.plan`
+tabulates it and `tf_gradsync.autotune` picks from it. docs/cost_model.md states the
+formulas and their assumptions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Sequence
+
+import numpy as np
+import tensorflow as tf
+
+from tf_gradsync import _tf_compat
+from tf_gradsync.algorithms.cost import Link, bytes_sent, exchange_seconds
+from tf_gradsync.bucketing import plan_buckets
+from tf_gradsync.compression import (GATHER, SUM, Compressor, Context, Layout, driver, get, nbytes,
+                                    two_phase)
+
+#: Compress + decompress throughput in bytes of float32 input per second on one core:
+#: `python -m tf_gradsync.bench micro` on 25M elements on the development machine (see
+#: BENCHMARKS.md). `plan --calibrate` and `autotune` measure the machine they run on.
+THROUGHPUT = {"none": 10.8e9, "fp16": 5.8e9, "bf16": 5.3e9, "int8": 2.1e9, "qsgd": 0.75e9,
+              "terngrad": 0.46e9, "sign": 1.0e9, "onebit": 0.87e9, "powersgd": 1.8e9,
+              "topk": 0.93e9, "threshold": 0.67e9, "randomk": 1.2e9, "dgc": 0.91e9,
+              "adaptive": 0.5e9}
+#: Throughput assumed for a compressor missing from `THROUGHPUT` (a user's own).
+DEFAULT_THROUGHPUT = 1e9
+#: Share of a compress + decompress spent decoding one payload (decoding is assumed to
+#: cost as much as encoding); an all-gather decodes N payloads.
+DECODE_SHARE = 0.5
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketPayload:
+    """What one bucket sends under a compressor, in its steady state.
+
+    Attributes:
+      numel: the bucket's elements.
+      dense_bytes: its size uncompressed.
+      rounds: per round, `(transport, payload bytes)` of one member (SUM rounds are
+        all-reduced, GATHER rounds all-gathered).
+      chunks: two phases only: `(whole bucket, chunks summed, re-compressed chunks
+        summed)` from `two_phase.payload_bytes`; None for summable payloads.
+    """
+
+    numel: int
+    dense_bytes: int
+    rounds: tuple[tuple[str, int], ...]
+    chunks: tuple[int, int, int] | None = None
+
+    @property
+    def summable(self) -> bool:
+        return all(t == SUM for t, _ in self.rounds)
+
+
+def bucket_rounds(compressor: Compressor, layout: Layout) -> tuple[tuple[str, int], ...]:
+    """Each round's transport and payload bytes for a bucket of `layout`, in the
+    compressor's last mode (its steady state), from the tensors it builds (in a
+    scratch graph, run never)."""
+    with tf.Graph().as_default():
+        state = {k: tf.Variable(s.initializer(s.shape, s.dtype), name=k)
+                 for k, s in compressor.state_spec(layout).items()}
+        ctx = Context(state=state, layout=layout, mode=compressor.num_modes - 1)
+        rounds = compressor.rounds(tf.zeros([layout.numel], layout.dtype), ctx)
+        out = []
+        try:
+            message = next(rounds)
+            while True:
+                out.append((message.transport, nbytes(message.payload)))
+                # One member: a sum is its own payload, a gather holds only it.
+                message = rounds.send(message.payload if message.transport == SUM
+                                      else [message.payload])
+        except StopIteration:
+            pass
+    return tuple(out)
+
+
+def model_payloads(compressor: Compressor | str, specs: Sequence[tuple[Sequence[int], tf.DType]],
+                   bucket_bytes: int, workers: int) -> list[BucketPayload]:
+    """Every bucket's payload for a model's gradients (`specs`: shape and dtype per
+    trainable variable, in the model's order), as `CompressedAllReduce` would plan them.
+
+    Raises:
+      ValueError: as `plan_buckets` and `compression.get` do.
+    """
+    compressor = get(compressor)
+    out, seen = [], {}
+    for bucket in plan_buckets(specs, bucket_bytes).buckets:
+        layout = bucket.layout
+        if layout not in seen:     # models repeat layers: price each layout once
+            rounds = bucket_rounds(compressor, layout)
+            chunks = None
+            if not compressor.summable and workers > 1 and layout.numel >= workers:
+                chunks = two_phase.payload_bytes(compressor, layout, workers)
+            seen[layout] = BucketPayload(layout.numel, bucket.nbytes, rounds, chunks)
+        out.append(seen[layout])
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+    """One compressor and exchange, priced.
+
+    Attributes:
+      compressor: its name.
+      exchange: "ring", "tree", "gather", "two_phase" or "hierarchical".
+      bytes_per_worker: bytes one worker sends per step.
+      wire_s: seconds on the link per step.
+      codec_s: seconds of compression and decoding per step.
+      compute_s: seconds of compute per step.
+      step_s: predicted seconds per step.
+    """
+
+    compressor: str
+    exchange: str
+    bytes_per_worker: float
+    wire_s: float
+    codec_s: float
+    compute_s: float
+    step_s: float
+
+
+def exchanges_for(compressor: Compressor | str, local: int = 1) -> tuple[str, ...]:
+    """The exchanges a compressor's payloads can travel in."""
+    if get(compressor).summable:
+        return ("ring", "tree", "hierarchical") if local > 1 else ("ring", "tree")
+    return ("gather", "two_phase")
+
+
+def predict(compressor: Compressor | str, payloads: Sequence[BucketPayload], exchange: str,
+            workers: int, link: Link, compute_s: float, throughput: float | None = None,
+            overlap: float = 0.0, cpu_share: float = 1.0, local: int = 1,
+            local_link: Link | None = None) -> Prediction:
+    """Predicted step of one compressor and exchange.
+
+    step = compute + max(last bucket's exchange, codec + wire - overlap * compute):
+    exchanges run one after another; with `overlap` > 0 they may start while
+    backprop still runs (a share `overlap` of the compute), except the last bucket,
+    which is ready only when backprop ends. `CompressedAllReduce` receives every
+    gradient at once from Keras and TensorFlow optimizers, so its overlap is 0.
+
+    Args:
+      compressor: a name or instance (names the row; its payloads are `payloads`).
+      payloads: `model_payloads` of this compressor.
+      exchange: one of `exchanges_for(compressor)`.
+      workers: N.
+      link: between workers.
+      compute_s: seconds of forward and backward per step.
+      throughput: compress + decompress bytes of input per second on one core
+        (default: `THROUGHPUT`).
+      overlap: share of the compute that exchanges may hide behind, in [0, 1].
+      cpu_share: cores per worker when workers share cores (e.g. 0.5: two workers on
+        one core); codec time scales by its inverse when below 1.
+      local: devices per worker ("hierarchical").
+      local_link: between a worker's devices.
+
+    Raises:
+      ValueError: for an exchange the compressor's payloads cannot travel in, or an
+        argument outside its range.
+    """
+    c = get(compressor)
+    valid = exchanges_for(c, local)
+    if exchange not in valid:
+        raise ValueError(f"{c.name} cannot travel in {exchange!r}; valid: {', '.join(valid)}")
+    if not 0 <= overlap <= 1:
+        raise ValueError(f"overlap must be in [0, 1], got {overlap!r}")
+    if not cpu_share > 0:
+        raise ValueError(f"cpu_share must be > 0, got {cpu_share!r}")
+    if not compute_s >= 0:
+        raise ValueError(f"compute_s must be >= 0, got {compute_s!r}")
+    rate = throughput or THROUGHPUT.get(c.name, DEFAULT_THROUGHPUT)
+    n, sent, wire, codec, last = workers, 0.0, 0.0, 0.0, 0.0
+    for b in payloads:
+        roundtrip = b.dense_bytes / rate
+        if exchange == "two_phase" and b.chunks is not None:
+            _, chunk, server = b.chunks
+            kind_bytes = [("two_phase", chunk, server)]
+            # Chunks encoded, N chunk payloads decoded, the owned chunk re-encoded and
+            # N re-encoded chunks decoded: about 1.5 + 0.5/N round trips.
+            work = roundtrip * (1 + DECODE_SHARE + DECODE_SHARE / n)
+        else:
+            # SUM rounds are all-reduced (by `exchange` if it is an all-reduce),
+            # GATHER rounds all-gathered (also a two-phase bucket too small to cut).
+            reduce = exchange if exchange in ("ring", "tree", "hierarchical") else "ring"
+            kind_bytes = [("gather" if t == GATHER else reduce, p, None) for t, p in b.rounds]
+            gathered = any(t == GATHER for t, _ in b.rounds)
+            work = roundtrip * (1 + (n - 1) * DECODE_SHARE if gathered else 1)
+        w = sum(exchange_seconds(k, n, p, link, s, local, local_link) for k, p, s in kind_bytes)
+        sent += sum(bytes_sent(k, n, p, s) for k, p, s in kind_bytes)
+        work /= min(cpu_share, 1.0)
+        wire, codec, last = wire + w, codec + work, w + work
+    exposed = max(last, wire + codec - overlap * compute_s)
+    return Prediction(c.name, exchange, sent, wire, codec, compute_s, compute_s + exposed)
+
+
+def roundtrip_fn(compressor: Compressor, layout: Layout):
+    """A tf.function running one compress + decompress of a bucket laid out as `layout`
+    (one replica, every round through the protocol driver, state kept between calls);
+    it returns the result and the payload bytes sent."""
+    state = {name: _tf_compat.plain_variable(lambda s=spec: s.initializer(s.shape, s.dtype),
+                                             name=name)
+             for name, spec in compressor.state_spec(layout).items()}
+    # Far past any warm-up: what is timed is the compressor's steady state.
+    step = tf.Variable(1 << 40, dtype=tf.int64)
+
+    def exchange(messages):
+        # One replica: each round's sum (or gather) is its own payload.
+        received, _ = driver.local_exchange(messages)
+        return received, nbytes(messages[0].payload)
+
+    @tf.function
+    def run(x):
+        ctx = Context(state=state, step=step.read_value(), seed=tf.stack([step, 7]),
+                      layout=layout)
+        outcome = driver.run(compressor, [x], [ctx], exchange)
+        step.assign_add(1)
+        return outcome.results[0], outcome.bytes
+    return run
+
+
+def matrix_shape(numel: int) -> tuple[int, int]:
+    """The most nearly square [rows, cols] holding `numel` elements, as a weight matrix
+    (PowerSGD compresses matrices; every other compressor only sees the element count)."""
+    cols = math.isqrt(numel)
+    while numel % cols:
+        cols -= 1
+    return numel // cols, cols
+
+
+def measure_throughput(compressor: Compressor | str, numel: int, repeats: int = 5) -> dict:
+    """Times compress + decompress of `numel` float32 elements (one weight matrix) on
+    this machine's current threads: `{"seconds": median, "bytes_per_s": of input,
+    "payload_bytes": sent}`."""
+    compressor = get(compressor)
+    x = tf.random.stateless_normal([numel], (1, 2))
+    run = roundtrip_fn(compressor, Layout((matrix_shape(numel),)))
+    _, sent = run(x)               # trace + warm up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run(x)[0].numpy()
+        times.append(time.perf_counter() - start)
+    sec = float(np.median(times))
+    return {"seconds": sec, "bytes_per_s": numel * 4 / sec, "payload_bytes": int(sent)}
+
+
+__all__ = ["BucketPayload", "DECODE_SHARE", "DEFAULT_THROUGHPUT", "Prediction", "THROUGHPUT",
+           "bucket_rounds", "exchanges_for", "matrix_shape", "measure_throughput", "model_payloads",
+           "predict", "roundtrip_fn"]

@@ -1,0 +1,296 @@
+"""What-if planner: every compressor and exchange priced for a model, workers and link.
+
+    python -m tf_gradsync.plan --model=ResNet50 --workers=8 --bandwidth=10gbit --compute_s=0.2
+    python -m tf_gradsync.plan --params=25000000 --workers=4 --bandwidth=1gbit --calibrate
+
+It prints a table (compressor, exchange, bytes per worker, predicted step seconds,
+predicted speed-up over `none`) from the cost model (`tf_gradsync.costmodel`,
+docs/cost_model.md); `--json` writes the rows. Several `--workers` and `--bandwidth`
+values give a row per combination (and `--png` draws each compressor's best predicted
+speed-up against the worker count). `--calibrate` measures compressor throughput, and
+the compute of `--model` (or of `--params` as one square Dense layer), on this machine.
+
+Models: a `keras.applications` name (any case: resnet50, MobileNetV2, ...) with random
+weights, a saved Keras model's path, or "bert-large" (BERT-large's 335M weights by
+shape: 24 blocks of width 1024, vocabulary 30522, without Keras).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from typing import Sequence
+
+from absl import flags
+
+FLAGS = flags.FlagValues()
+flags.DEFINE_integer("params", None, "Model size in weights (one square Dense layer).",
+                     flag_values=FLAGS)
+flags.DEFINE_string("model", None, "A keras.applications name, a saved Keras model's path or "
+                    "bert-large.", flag_values=FLAGS)
+flags.DEFINE_list("workers", ["4"], "Workers N (several: a row per value).", flag_values=FLAGS)
+flags.DEFINE_list("bandwidth", ["1gbit"], "Link rate per worker, tc style (100mbit, 1gbit, "
+                  "25gbit; several: a row per value).", flag_values=FLAGS)
+flags.DEFINE_float("latency_us", 50.0, "Latency per message, microseconds.", flag_values=FLAGS)
+flags.DEFINE_float("compute_s", None, "Forward + backward seconds per step (or --calibrate).",
+                   flag_values=FLAGS)
+flags.DEFINE_list("compressors", None, "Compressors (default: every registered one).",
+                  flag_values=FLAGS)
+flags.DEFINE_bool("calibrate", False, "Measure compressor throughput (and compute) here.",
+                  flag_values=FLAGS)
+flags.DEFINE_integer("batch", 32, "Examples per worker and step, for --calibrate.",
+                     flag_values=FLAGS)
+flags.DEFINE_integer("bucket_bytes", 32 * 2**20, "CompressedAllReduce's bucket_bytes.",
+                     flag_values=FLAGS)
+flags.DEFINE_float("overlap", 0.0, "Share of compute exchanges hide behind, in [0, 1].",
+                   flag_values=FLAGS)
+flags.DEFINE_float("codec_gbps", None, "One compress + decompress throughput (GB/s of input) "
+                   "for every compressor, instead of the defaults or --calibrate.",
+                   flag_values=FLAGS)
+flags.DEFINE_string("json", None, "Write the rows to this JSON file.", flag_values=FLAGS)
+flags.DEFINE_string("png", None, "Draw the best speed-up per compressor against workers.",
+                    flag_values=FLAGS)
+
+COLUMNS = ["compressor", "exchange", "workers", "bandwidth", "bytes_per_worker", "wire_s",
+           "codec_s", "predicted_step_s", "predicted_speedup"]
+#: Elements compressed per compressor when calibrating (a 2000 x 2000 matrix).
+CALIBRATE_NUMEL = 4_000_000
+
+
+def specs_of(model: str | None, params: int | None) -> list[tuple[tuple[int, ...], "tf.DType"]]:
+    """`(shape, dtype)` of every trainable weight of `--model` or `--params`.
+
+    Raises:
+      ValueError: for neither or both, a non-positive count, or an unknown model.
+    """
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    if (model is None) == (params is None):
+        raise ValueError("give exactly one of --params (a weight count) and --model "
+                         f"(a keras.applications name, a saved model's path or bert-large); "
+                         f"got params={params!r}, model={model!r}")
+    if params is not None:
+        if params < 1:
+            raise ValueError(f"--params must be a positive weight count, got {params}")
+        width = max(1, int(params ** 0.5))
+        return [((width, width), tf.float32), ((width,), tf.float32)]
+    if model.lower() == "bert-large":
+        return bert_large_specs()
+    return [(tuple(int(d) for d in v.shape), tf.as_dtype(v.dtype))
+            for v in load_model(model).trainable_weights]
+
+
+def bert_large_specs(layers: int = 24, width: int = 1024, vocab: int = 30522,
+                     positions: int = 512) -> list:
+    """BERT-large's trainable weights by shape (335M), in the order a model lists them."""
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    f = tf.float32
+    out = [((vocab, width), f), ((positions, width), f), ((2, width), f), ((width,), f),
+           ((width,), f)]
+    for _ in range(layers):
+        for _ in range(4):              # query, key, value, attention output
+            out += [((width, width), f), ((width,), f)]
+        out += [((width,), f), ((width,), f), ((width, 4 * width), f), ((4 * width,), f),
+                ((4 * width, width), f), ((width,), f), ((width,), f), ((width,), f)]
+    return out + [((width, width), f), ((width,), f)]        # pooler
+
+
+def load_model(name: str):
+    """A saved Keras model (a path that exists) or a `keras.applications` model with
+    random weights (its name, any case).
+
+    Raises:
+      ValueError: for a name that is neither, listing the application names.
+    """
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    keras = tf.keras
+    if os.path.exists(name):
+        return keras.models.load_model(name, compile=False)
+    apps = {n.lower(): getattr(keras.applications, n) for n in dir(keras.applications)
+            if n[:1].isupper() and callable(getattr(keras.applications, n))}
+    if name.lower() not in apps:
+        raise ValueError(f"unknown model {name!r}: not a file, bert-large or a "
+                         f"keras.applications model; valid names: {', '.join(sorted(apps))}")
+    return apps[name.lower()](weights=None)
+
+
+def calibrate_compute(model: str | None, params: int | None, batch: int, repeats: int = 3) -> float:
+    """Median seconds of one forward + backward pass on this machine (one worker)."""
+    import numpy as np  # pylint: disable=import-outside-toplevel
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    if model is not None and model.lower() == "bert-large":
+        raise ValueError("--calibrate cannot build bert-large (its shapes only); give --compute_s")
+    if params is not None:
+        from tf_gradsync.bench import models  # pylint: disable=import-outside-toplevel
+        work = models.build("dense", batch, params)
+        net, (x, y), loss = work.model, work.batch, work.loss
+    else:
+        net = load_model(model)
+        shape = [batch, *[d or 224 for d in net.input_shape[1:]]]
+        x = tf.random.uniform(shape)
+        y = None
+        loss = lambda m, x, y: tf.reduce_mean(tf.square(m(x, training=True)))  # noqa: E731
+
+    @tf.function
+    def step():
+        with tf.GradientTape() as tape:
+            value = loss(net, x, y)
+        return tape.gradient(value, net.trainable_variables)
+
+    tf.nest.map_structure(lambda t: t.numpy(), step())      # trace and warm up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        tf.nest.map_structure(lambda t: t.numpy(), step())
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def calibrate_throughput(specs: Sequence[str], numel: int = CALIBRATE_NUMEL) -> dict[str, float]:
+    """Compress + decompress bytes of float32 input per second with this process's
+    threads, per compressor spec, as `CompressedAllReduce` builds it (error feedback
+    included)."""
+    from tf_gradsync import costmodel  # pylint: disable=import-outside-toplevel
+    from tf_gradsync.bench import ops_from_spec  # pylint: disable=import-outside-toplevel
+    return {s: costmodel.measure_throughput(ops_from_spec(s).compressor, numel, 3)["bytes_per_s"]
+            for s in specs}
+
+
+def plan(specs, compressors: Sequence[str], workers: Sequence[int], bandwidths: Sequence[str],
+         compute_s: float, latency_s: float = 50e-6, bucket_bytes: int = 32 * 2**20,
+         overlap: float = 0.0, throughput: dict[str, float] | None = None) -> list[dict]:
+    """One row per (workers, bandwidth, compressor, exchange), as in `COLUMNS`.
+
+    `predicted_speedup` is `none`'s fastest exchange over this row's step, for the
+    same workers and bandwidth.
+
+    Args:
+      specs: `(shape, dtype)` of every trainable weight.
+      compressors: registered names, optionally with settings (`topk:ratio=0.001`).
+      workers: worker counts.
+      bandwidths: link rates, tc style.
+      compute_s: forward + backward seconds per step.
+      latency_s: latency per message.
+      bucket_bytes: the bucket size the payloads are planned with.
+      overlap: see `costmodel.predict`.
+      throughput: bytes/s per compressor name (default: `costmodel.THROUGHPUT`).
+
+    Raises:
+      ValueError: for a bad compressor, rate or setting (naming it and the choices).
+    """
+    from tf_gradsync import costmodel  # pylint: disable=import-outside-toplevel
+    from tf_gradsync.algorithms.cost import Link, parse_bandwidth  # pylint: disable=import-outside-toplevel
+    from tf_gradsync.bench import ops_from_spec  # pylint: disable=import-outside-toplevel
+    links = [(b, Link(latency_s, parse_bandwidth(b))) for b in bandwidths]
+    built = {}
+    for spec in dict.fromkeys(["none", *compressors]):
+        ops = ops_from_spec(spec)
+        built[spec] = ops.compressor
+    rows = []
+    for n in workers:
+        payloads = {s: costmodel.model_payloads(c, specs, bucket_bytes, n) for s, c in built.items()}
+        for band, link in links:
+            group = []
+            for spec, c in built.items():
+                rate = (throughput or {}).get(spec)
+                for ex in costmodel.exchanges_for(c):
+                    p = costmodel.predict(c, payloads[spec], ex, n, link, compute_s, rate, overlap)
+                    group.append({"compressor": spec, "exchange": ex, "workers": n,
+                                  "bandwidth": band, "bytes_per_worker": round(p.bytes_per_worker),
+                                  "wire_s": p.wire_s, "codec_s": p.codec_s,
+                                  "predicted_step_s": p.step_s})
+            base = min(r["predicted_step_s"] for r in group if r["compressor"] == "none")
+            for r in group:
+                r["predicted_speedup"] = base / r["predicted_step_s"]
+            rows += [r for r in group if r["compressor"] != "none" or "none" in compressors]
+    return rows
+
+
+def _positive_ints(name: str, values: Sequence[str]) -> list[int]:
+    try:
+        out = [int(v) for v in values]
+    except ValueError:
+        out = []
+    if not out or min(out) < 1:
+        raise ValueError(f"--{name} must be integers >= 1, got {','.join(values)}")
+    return out
+
+
+def main(argv: Sequence[str]) -> None:
+    """The command line: prints the table; exits with a message for bad flags."""
+    if any(a in ("-h", "--help", "-help", "--helpfull") for a in argv[1:]):
+        print(__doc__.strip() + "\n\nFlags:\n" + FLAGS.get_help())
+        return
+    FLAGS.unparse_flags()          # each call starts from the defaults
+    try:
+        FLAGS(list(argv))
+    except flags.Error as e:
+        sys.exit(f"plan: {e}\nSee --help.")
+    from tf_gradsync import compression  # pylint: disable=import-outside-toplevel
+    try:
+        workers = _positive_ints("workers", FLAGS.workers)
+        specs = specs_of(FLAGS.model, FLAGS.params)
+        names = FLAGS.compressors or compression.names()
+        if FLAGS.compute_s is None and not FLAGS.calibrate:
+            raise ValueError("give --compute_s (forward + backward seconds per step) or "
+                             "--calibrate (measure it here)")
+        compute_s = FLAGS.compute_s
+        if compute_s is None:
+            compute_s = calibrate_compute(FLAGS.model, FLAGS.params, FLAGS.batch)
+        throughput = None
+        if FLAGS.codec_gbps is not None:
+            throughput = {n: FLAGS.codec_gbps * 1e9 for n in ["none", *names]}
+        elif FLAGS.calibrate:
+            throughput = calibrate_throughput(list(dict.fromkeys(["none", *names])))
+        rows = plan(specs, names, workers, FLAGS.bandwidth, compute_s, FLAGS.latency_us * 1e-6,
+                    FLAGS.bucket_bytes, FLAGS.overlap, throughput)
+    except ValueError as e:
+        sys.exit(f"plan: {e}")
+    from tf_gradsync.bench.__main__ import table  # pylint: disable=import-outside-toplevel
+    params = sum(math.prod(s) for s, _ in specs)
+    source = ("defaults" if throughput is None else f"{FLAGS.codec_gbps:g} GB/s"
+              if FLAGS.codec_gbps is not None else "measured here")
+    print(f"{params:,} weights in {len(specs)} tensors; compute {compute_s:.4g} s per step; "
+          f"latency {FLAGS.latency_us:g} us; bucket_bytes {FLAGS.bucket_bytes}; overlap "
+          f"{FLAGS.overlap:g}; codec throughput: {source}")
+    print(table(rows, COLUMNS))
+    if FLAGS.json:
+        with open(FLAGS.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    if FLAGS.png:
+        draw(rows, FLAGS.png)
+
+
+def draw(rows: Sequence[dict], path: str) -> None:
+    """Each compressor's best predicted speed-up over `none` against the worker count,
+    one panel per bandwidth (log-log)."""
+    import matplotlib  # pylint: disable=import-outside-toplevel
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+    bands = list(dict.fromkeys(r["bandwidth"] for r in rows))
+    fig, axes = plt.subplots(1, len(bands), figsize=(4.5 * len(bands), 4), squeeze=False,
+                             sharey=True)
+    for ax, band in zip(axes[0], bands):
+        best: dict[str, dict[int, float]] = {}
+        for r in rows:
+            if r["bandwidth"] == band:
+                s = best.setdefault(r["compressor"], {})
+                s[r["workers"]] = max(s.get(r["workers"], 0), r["predicted_speedup"])
+        for name, points in sorted(best.items()):
+            xs = sorted(points)
+            ax.plot(xs, [points[x] for x in xs], marker=".", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.axhline(1, color="grey", lw=0.8)
+        ax.set_title(band)
+        ax.set_xlabel("workers")
+    axes[0][0].set_ylabel("predicted speed-up over none")
+    axes[0][-1].legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main(sys.argv)
