@@ -8,7 +8,8 @@ compressor must end within 2 points of `none` (the goal is 1). A compressor that
 applies momentum itself (dgc) refuses the optimizer's momentum before the first step
 (tests/test_keras.py); here it trains with the recipe's momentum moved into it. The
 other columns (MLP, residual network; Adam, SGD without momentum) are in the benchmark.
-Two cells run again with two-phase exchanges.
+One cell runs again with two-phase exchanges, and a far too aggressive top-k with and
+without the accuracy guard.
 """
 
 import pytest
@@ -32,7 +33,7 @@ def devices_module():
 
 def _cell(model, recipe, mode, devices, data):
     return accuracy.train_cell(model, recipe, mode, devices, data, EPOCHS, 0.95,
-                               validate_every_epoch=False)
+                               validate_every_epoch=False, track_error=False)
 
 
 @pytest.fixture(scope="module")
@@ -51,13 +52,24 @@ def test_cnn_sgd_momentum(name, data, devices_module, reference):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["sign", "int8"])
+@pytest.mark.parametrize("name", ["sign"])
 def test_cnn_sgd_momentum_in_two_phases(name, data, devices_module, reference):
     """The same recipe with every bucket exchanged in two phases (owners re-compress
-    their chunk's sum under their own error feedback): one-bit payloads (re-sent as
-    int8) and int8. Sparsifiers are not in this column: at 2 replicas, where `auto`
+    their chunk's sum under their own error feedback): one-bit payloads, re-sent as
+    int8 (int8 itself, in BENCHMARKS.md, ends +0.3). Sparsifiers are not in this column: at 2 replicas, where `auto`
     gathers, top-k in two phases selects twice from two contributions and ends 7.5
     points below (BENCHMARKS.md gives 4 replicas)."""
     row = _cell("cnn", "sgdm", f"{name}:exchange=two_phase", devices_module, data)
     assert row["ratio"] > 1.0
     assert row["accuracy"] >= reference - 0.02, (name, row, reference)
+
+
+@pytest.mark.slow
+def test_a_far_too_aggressive_top_k_trains_with_the_guard(data, devices_module, reference):
+    """Top-k at 0.01% of each tensor: visibly worse than uncompressed training alone,
+    within 2 points of it with `guard=True` (which sends its buckets in fp16 once their
+    compression error stays above 0.99)."""
+    bare = _cell("cnn", "sgdm", "topk:ratio=0.0001", devices_module, data)
+    guarded = _cell("cnn", "sgdm", "topk:ratio=0.0001:guard=true", devices_module, data)
+    assert bare["accuracy"] < reference - 0.05, (bare, reference)
+    assert guarded["accuracy"] >= reference - 0.02, (guarded, reference)

@@ -11,7 +11,7 @@ import _regression  # tests/_regression.py
 import _worker  # tests/_worker.py
 import tf_gradsync as gs
 
-STEPS = 30
+STEPS = 15
 OPTIONS = {"topk": {"ratio": 0.05}, "randomk": {"ratio": 0.1}, "threshold": {"ratio": 0.05},
            "dgc": {"ratio": 0.05}, "powersgd": {"rank": 2}}
 

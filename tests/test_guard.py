@@ -24,9 +24,10 @@ def _topk():
 
 
 def test_falls_back_after_a_lossy_window_and_returns_when_the_inner_one_would_not_lose():
-    guard = Guard(_topk(), window=3)
+    inner = get("topk", ratio=0.001)            # no memory: its error is that of x alone
+    guard = Guard(inner, window=3)
     run = costmodel.roundtrip_fn(guard, LAYOUT)
-    topk_bytes = sum(b for _, b in costmodel.bucket_rounds(_topk(), LAYOUT))
+    topk_bytes = sum(b for _, b in costmodel.bucket_rounds(inner, LAYOUT))
     sent = []
     for step in range(3):                        # dense noise: one entry in 1000 kept
         x = tf.random.stateless_normal([1000], (step, 1))
@@ -41,9 +42,27 @@ def test_falls_back_after_a_lossy_window_and_returns_when_the_inner_one_would_no
     for step in range(3):                        # sparse input: top-k would lose nothing
         y, b = run(_sparse(step))
         assert int(b) == 2 * 1000 + 8
-    y, b = run(_sparse(3))                       # back, with a clean residual
+    y, b = run(_sparse(3))                       # back
     assert int(b) == topk_bytes + 8
     np.testing.assert_array_equal(y.numpy(), _sparse(3).numpy())
+
+
+def test_the_inner_memory_advances_while_the_fallback_sends():
+    """Under error feedback the inner compressor keeps encoding during the fallback:
+    its residual is the one error feedback alone would hold on the same inputs, so
+    its measured error does not restart from an empty memory."""
+    guard, alone = Guard(_topk(), window=2), _topk()
+    state = {k: tf.Variable(s.initializer(s.shape, s.dtype))
+             for k, s in guard.state_spec(LAYOUT).items()}
+    ref = {k: tf.Variable(s.initializer(s.shape, s.dtype))
+           for k, s in alone.state_spec(LAYOUT).items()}
+    for step in range(6):
+        x = tf.random.stateless_normal([1000], (step, 4))
+        for c, st in ((guard, state), (alone, ref)):
+            ctx = gs.compression.Context(state=st, step=step, seed=(step, 0), layout=LAYOUT)
+            driver.run(c, [x], [ctx], lambda m: driver.local_exchange(m))
+    assert int(state["level"].numpy()) == 1
+    np.testing.assert_array_equal(state["inner_residual"].numpy(), ref["residual"].numpy())
 
 
 def test_a_compressor_within_the_bound_is_never_replaced():
@@ -87,22 +106,3 @@ def test_ops_take_a_guard_and_check_it():
     with pytest.raises(ValueError, match="bound"):
         Guard("topk", bound=0)
     assert gs.SyncConfig(compression="sign", guard=True).build().compressor.name == "guard"
-
-
-@pytest.mark.slow
-def test_a_far_too_aggressive_top_k_trains_with_the_guard(devices):
-    """Top-k at 0.01% on the digits CNN under SGD with momentum (2 replicas, 10
-    epochs): visibly worse than uncompressed training alone, within 2 points of it with
-    the guard on."""
-    from tf_gradsync.bench import accuracy
-    data = accuracy.train_digits().load_data(0)
-    pair = devices[:2]
-
-    def cell(mode):
-        return accuracy.train_cell("cnn", "sgdm", mode, pair, data, 10, 0.95,
-                                   validate_every_epoch=False)["accuracy"]
-    none = cell("none")
-    bare = cell("topk:ratio=0.0001")
-    guarded = cell("topk:ratio=0.0001:guard=true")
-    assert bare < none - 0.05, (bare, none)
-    assert guarded >= none - 0.02, (guarded, none)

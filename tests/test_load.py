@@ -20,8 +20,8 @@ import tensorflow as tf
 import tf_gradsync as gs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STEPS = 60
-WARM = 20            # steps after which every buffer has been allocated once
+STEPS = 40
+WARM = 15            # steps after which every buffer has been allocated once
 LR = 1 / 16          # with gradients in multiples of 1/4, every update is exact in float32
 MIB = 2**20
 

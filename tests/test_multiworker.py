@@ -62,7 +62,7 @@ def test_keras3_fit_compressed_two_workers(tmp_path, none_2workers, compression,
 def test_keras3_fit_three_workers(tmp_path):
     # A global batch divisible by the replica count: Keras builds the model from a
     # cross-worker mean of the first batch, which needs equal shapes on every worker.
-    proc, out, _ = launch(tmp_path, 3, "--compression=fp16", "--epochs=10", "--batch_size=63")
+    proc, out, _ = launch(tmp_path, 3, "--compression=fp16", "--epochs=6", "--batch_size=63")
     assert proc.returncode == 0, proc.stdout[-4000:]
     weights, res = results(out, 3)
     assert_same_weights(weights)
@@ -91,7 +91,7 @@ def test_custom_loop_matches_single_process_mirrored(tmp_path, devices):
 
 @pytest.mark.slow
 def test_tf_keras_two_workers(tmp_path):
-    proc, out, _ = launch(tmp_path, 2, "--compression=fp16", "--epochs=10",
+    proc, out, _ = launch(tmp_path, 2, "--compression=fp16", "--epochs=6",
                           env={"TF_USE_LEGACY_KERAS": "1"})
     assert proc.returncode == 0, proc.stdout[-4000:]
     weights, res = results(out, 2)

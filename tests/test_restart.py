@@ -13,7 +13,7 @@ import pytest
 
 from _multiworker import assert_same_weights, launch, orphans, results
 
-EPOCHS = 10
+EPOCHS = 5
 STEPS_PER_EPOCH = 23          # 1,437 training digits, global batch 64 (last batch partial)
 SEED = 20240611
 

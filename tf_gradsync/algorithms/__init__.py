@@ -71,7 +71,7 @@ def choose_exchange(name: str, members: int, payload_bytes: float,
         return "gather"
     chunk = payload_bytes if chunk_bytes is None else chunk_bytes
     gather = cost.exchange_seconds("gather", members, payload_bytes)
-    two = cost.exchange_seconds("two_phase", members, chunk, server_bytes)
+    two = cost.exchange_seconds("two_phase", members, chunk, server_bytes=server_bytes)
     return "two_phase" if two < gather else "gather"
 
 

@@ -114,7 +114,7 @@ def worker(mode: str, params: int, steps: int, batch: int, ifname: str | None = 
     if ifname:
         out["tx_bytes_per_step"] = (_tx_bytes(ifname) - tx_start) / steps
     specs = [(v.shape, v.dtype) for v in net.trainable_variables if not _sparse_gradient(v)]
-    out["specs"] = [[list(map(int, sh)), dt.name] for sh, dt in specs]
+    out["specs"] = [[list(map(int, sh)), tf.as_dtype(dt).name] for sh, dt in specs]
     if ops is not None:
         out["bytes_per_step"] = ops.stats()["last_bytes_sent"]
         out["payload_bytes"] = payload_bytes(ops.compressor, specs, ops.bucket_bytes)
