@@ -217,6 +217,11 @@ def test_tiny_end_to_end_run(tmp_path):
     for row, expected in ((stock, stock["ring_bound"]), (fp16, fp16["stats_bytes"])):
         assert 0.85 * expected <= row["wire_bytes"] <= 1.15 * expected + overhead
     assert compute["wire_bytes"] < 1024
+    # The cost model's prediction of each step, from the same sitting's probe.
+    for row in (stock, fp16):
+        assert row["predicted_s"] > compute["step_s"]
+        assert row["prediction_error"] == pytest.approx(row["predicted_s"] / row["step_s"] - 1)
+    assert fp16["pick"] == "*" and stock["pick"] == ""
     assert stock["speedup"] == pytest.approx(1.0)
     assert fp16["speedup"] == pytest.approx(stock["step_s"] / fp16["step_s"])
     assert names() == before

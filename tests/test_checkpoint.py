@@ -19,13 +19,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BATCH = 64
 # Compressors whose results depend on state or on the step counter, with settings that
 # keep state busy on this small model.
-# (qsgd's per-step seed is randomk's; dgc's u and v are per-bucket vectors like a
-# residual, which the multi-worker resume also restores in two phases.)
+# (qsgd's per-step seed is randomk's; top-k's error-feedback residual is adaptive's, and
+# dgc's u and v are per-bucket vectors like it, which the multi-worker resume also
+# restores in two phases.)
 STATEFUL = {
-    "topk": {"ratio": 0.05},        # error-feedback residual (as every biased compressor's)
     "randomk": {"ratio": 0.25},     # per-step shared seed (step counter)
     "powersgd": {"rank": 2},        # warm-start Q and residual
-    "adaptive": {},                 # decisions from the reduced sum: counters and a level
+    "adaptive": {},                 # residual, and decisions from the reduced sum: counters, a level
 }
 
 

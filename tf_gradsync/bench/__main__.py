@@ -68,6 +68,9 @@ def main(argv):
             json.dump(rows, f, indent=1)
     if FLAGS.png:
         figure.write_png(rows, cols, FLAGS.png, getattr(suite, "PLOT", None), title=argv[1])
+        if getattr(suite, "SCATTER", None):    # a prediction against measurement
+            stem, _ = os.path.splitext(FLAGS.png)
+            figure.write_scatter(rows, f"{stem}_predicted.png", suite.SCATTER, title=argv[1])
     return 0
 
 

@@ -38,6 +38,8 @@ FLAGS = flags.FLAGS
 #: PowerSGD without its dense warm-up: the few timed steps measure its steady state.
 DEFAULT_COMPRESSORS = ("none", "fp16", "int8", "sign", "topk", "powersgd:start_iter=0")
 PLOT = ("mode", "speedup", "speed-up vs stock MWMS", "setup")
+#: With --png, also `<png>_predicted.png`: the cost model's step against the measured one.
+SCATTER = ("step_s", "predicted_s", "mode")
 COLUMNS = ["setup", "workers", "rate", "mode", "exchange", "step_s", "speedup", "vs_compute",
            "predicted_s", "prediction_error", "pick", "items_per_s", "stats_bytes",
            "wire_bytes", "wire_vs_stats", "ring_bound", "wire_vs_bound", "cores", "load"]
@@ -177,6 +179,7 @@ def predict(rows: list[dict], probes: list[dict], specs: list, n: int) -> None:
         row["predicted_s"] = p.step_s
         row["prediction_error"] = p.step_s / row["step_s"] - 1
         row["link"] = [link.latency_s, link.bytes_per_s]
+        row["pick"] = ""
     ours = rows[2:]
     if ours:
         min(ours, key=lambda r: r["predicted_s"])["pick"] = "*"

@@ -98,6 +98,47 @@ def write_png(rows: Sequence[dict], columns: Sequence[str], path: str, plot=None
     return path
 
 
+def write_scatter(rows: Sequence[dict], path: str, scatter: tuple, title: str = "") -> str:
+    """Plots one column against another, log-log, one marker series per group, with
+    the diagonal and a +-15% band: a prediction against what was measured.
+
+    Args:
+      rows: the suite's result rows (rows lacking either value are left out).
+      path: where to write the PNG.
+      scatter: `(x column, y column, group column)`, e.g. the cluster suite's
+        `("step_s", "predicted_s", "mode")`.
+      title: figure title.
+
+    Returns:
+      `path`.
+    """
+    from matplotlib.figure import Figure  # pylint: disable=import-outside-toplevel
+    x, y, group = scatter
+    points = [r for r in rows if _number(r.get(x)) and _number(r.get(y))]
+    fig = Figure(figsize=(6.0, 5.0), layout="constrained")
+    ax = fig.subplots()
+    for g in dict.fromkeys(str(r.get(group)) for r in points):
+        mine = [r for r in points if str(r.get(group)) == g]
+        ax.scatter([r[x] for r in mine], [r[y] for r in mine], label=g, s=18)
+    if points:
+        lo = min(min(r[x], r[y]) for r in points) * 0.8
+        hi = max(max(r[x], r[y]) for r in points) * 1.25
+        ax.plot([lo, hi], [lo, hi], color="grey", linewidth=1)
+        ax.fill_between([lo, hi], [lo * 0.85, hi * 0.85], [lo * 1.15, hi * 1.15],
+                        color="grey", alpha=0.15, label="+-15%")
+        ax.set_xlim(lo, hi)
+        ax.set_ylim(lo, hi)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel(x)
+    ax.set_ylabel(y)
+    ax.legend(fontsize=7)
+    if title:
+        ax.set_title(title)
+    fig.savefig(path, format="png", dpi=100)
+    return path
+
+
 def _slots(rows, panel) -> float:
     """Horizontal room a panel needs, in bar-group widths."""
     if len(panel) < 4:
