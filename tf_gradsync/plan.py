@@ -60,7 +60,7 @@ COLUMNS = ["compressor", "exchange", "workers", "bandwidth", "bytes_per_worker",
 CALIBRATE_NUMEL = 4_000_000
 
 
-def specs_of(model: str | None, params: int | None) -> list[tuple[tuple[int, ...], "tf.DType"]]:
+def specs_of(model: str | None, params: int | None) -> list[tuple]:
     """`(shape, dtype)` of every trainable weight of `--model` or `--params`.
 
     Raises:
