@@ -12,7 +12,6 @@ every candidate with `tf_gradsync.costmodel` and returns (and installs) the fast
 from __future__ import annotations
 
 import dataclasses
-import time
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -133,20 +132,6 @@ def fit_link(sizes: Sequence[float], seconds: Sequence[float], members: int) -> 
     return Link(float(latency), float(1.0 / per_byte))
 
 
-def _median_seconds(fn: Callable[[], Any], repeats: int) -> float:
-    tf.nest.map_structure(_wait, fn())                   # trace and warm up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        tf.nest.map_structure(_wait, fn())
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
-
-
-def _wait(t):
-    return t.numpy() if hasattr(t, "numpy") else t
-
-
 def probe_link(strategy: tf.distribute.Strategy, sizes: Sequence[int] = PROBE_BYTES,
                repeats: int = 5) -> list[float]:
     """Median seconds of an exact all-reduce of each of `sizes` bytes (float32) through
@@ -162,7 +147,7 @@ def probe_link(strategy: tf.distribute.Strategy, sizes: Sequence[int] = PROBE_BY
                 x = tf.ones([numel], tf.float32)
                 return tf.distribute.get_replica_context().all_reduce("SUM", x)
             return strategy.experimental_local_results(strategy.run(fn))[0]
-        out.append(_median_seconds(step, repeats))
+        out.append(costmodel.median_seconds(step, repeats)[0])
     return out
 
 
@@ -241,7 +226,7 @@ def autotune(strategy: tf.distribute.Strategy, weights, *, compute: float | Call
                          f"already uses {current!r}; create it without cross_device_ops or "
                          "with CompressedAllReduce('none')")
     if callable(compute):
-        compute_s = _median_seconds(compute, 3)
+        compute_s = costmodel.median_seconds(compute, 3)[0]
     elif isinstance(compute, (int, float)) and not isinstance(compute, bool) and compute >= 0:
         compute_s = float(compute)
     else:

@@ -30,7 +30,7 @@ import tensorflow as tf
 from tf_gradsync import _tf_compat
 from tf_gradsync.algorithms.cost import Link, bytes_sent, exchange_seconds
 from tf_gradsync.bucketing import plan_buckets
-from tf_gradsync.compression import (GATHER, SUM, Compressor, Context, Layout, driver, get, nbytes,
+from tf_gradsync.compression import (GATHER, Compressor, Context, Layout, driver, get, nbytes,
                                     two_phase)
 
 #: Compress + decompress throughput in bytes of float32 input per second on one core:
@@ -65,30 +65,23 @@ class BucketPayload:
     rounds: tuple[tuple[str, int], ...]
     chunks: tuple[int, int, int] | None = None
 
-    @property
-    def summable(self) -> bool:
-        return all(t == SUM for t, _ in self.rounds)
-
 
 def bucket_rounds(compressor: Compressor, layout: Layout) -> tuple[tuple[str, int], ...]:
     """Each round's transport and payload bytes for a bucket of `layout`, in the
     compressor's last mode (its steady state), from the tensors it builds (in a
     scratch graph, run never)."""
+    out = []
+
+    def exchange(messages):     # one member: its own payload, summed or gathered
+        out.append((messages[0].transport, nbytes(messages[0].payload)))
+        return driver.local_exchange(messages)
+
     with tf.Graph().as_default():
         state = {k: tf.Variable(s.initializer(s.shape, s.dtype), name=k)
                  for k, s in compressor.state_spec(layout).items()}
-        ctx = Context(state=state, layout=layout, mode=compressor.num_modes - 1)
-        rounds = compressor.rounds(tf.zeros([layout.numel], layout.dtype), ctx)
-        out = []
-        try:
-            message = next(rounds)
-            while True:
-                out.append((message.transport, nbytes(message.payload)))
-                # One member: a sum is its own payload, a gather holds only it.
-                message = rounds.send(message.payload if message.transport == SUM
-                                      else [message.payload])
-        except StopIteration:
-            pass
+        driver.run_mode(compressor, [tf.zeros([layout.numel], layout.dtype)],
+                        [Context(state=state, layout=layout)], exchange,
+                        mode=compressor.num_modes - 1)
     return tuple(out)
 
 
@@ -244,6 +237,20 @@ def matrix_shape(numel: int) -> tuple[int, int]:
     return numel // cols, cols
 
 
+def median_seconds(fn, repeats: int) -> tuple[float, object]:
+    """Median wall seconds of `fn()` over `repeats` calls after one untimed call (which
+    traces and warms up), waiting for every tensor it returns; also that first result."""
+    def wait(result):
+        return tf.nest.map_structure(lambda t: t.numpy() if hasattr(t, "numpy") else t, result)
+    first = wait(fn())
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        wait(fn())
+        times.append(time.perf_counter() - start)
+    return float(np.median(times)), first
+
+
 def measure_throughput(compressor: Compressor | str, numel: int, repeats: int = 5) -> dict:
     """Times compress + decompress of `numel` float32 elements (one weight matrix) on
     this machine's current threads: `{"seconds": median, "bytes_per_s": of input,
@@ -251,16 +258,10 @@ def measure_throughput(compressor: Compressor | str, numel: int, repeats: int = 
     compressor = get(compressor)
     x = tf.random.stateless_normal([numel], (1, 2))
     run = roundtrip_fn(compressor, Layout((matrix_shape(numel),)))
-    _, sent = run(x)               # trace + warm up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run(x)[0].numpy()
-        times.append(time.perf_counter() - start)
-    sec = float(np.median(times))
+    sec, (_, sent) = median_seconds(lambda: run(x), repeats)
     return {"seconds": sec, "bytes_per_s": numel * 4 / sec, "payload_bytes": int(sent)}
 
-
 __all__ = ["BucketPayload", "DECODE_SHARE", "DEFAULT_THROUGHPUT", "Prediction", "THROUGHPUT",
-           "bucket_rounds", "exchanges_for", "matrix_shape", "measure_throughput", "model_payloads",
+           "bucket_rounds", "exchanges_for", "matrix_shape", "measure_throughput", "median_seconds",
+           "model_payloads",
            "predict", "roundtrip_fn"]

@@ -21,7 +21,6 @@ import json
 import math
 import os
 import sys
-import time
 from typing import Sequence
 
 from absl import flags
@@ -118,7 +117,6 @@ def load_model(name: str):
 
 def calibrate_compute(model: str | None, params: int | None, batch: int, repeats: int = 3) -> float:
     """Median seconds of one forward + backward pass on this machine (one worker)."""
-    import numpy as np  # pylint: disable=import-outside-toplevel
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
     if model is not None and model.lower() == "bert-large":
         raise ValueError("--calibrate cannot build bert-large (its shapes only); give --compute_s")
@@ -139,13 +137,8 @@ def calibrate_compute(model: str | None, params: int | None, batch: int, repeats
             value = loss(net, x, y)
         return tape.gradient(value, net.trainable_variables)
 
-    tf.nest.map_structure(lambda t: t.numpy(), step())      # trace and warm up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        tf.nest.map_structure(lambda t: t.numpy(), step())
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
+    from tf_gradsync import costmodel  # pylint: disable=import-outside-toplevel
+    return costmodel.median_seconds(step, repeats)[0]
 
 
 def calibrate_throughput(specs: Sequence[str], numel: int = CALIBRATE_NUMEL) -> dict[str, float]:

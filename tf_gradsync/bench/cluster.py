@@ -5,8 +5,9 @@ Per (workers, rate): a probing job (the cost model's measurements of the link an
 each compressor's throughput), the compute-only floor (the same step with no
 communication, on N concurrent processes, since they share the cores and memory
 bandwidth), stock, then each compressor; each row carries the cost model's prediction
-of its step (`predicted_s`) next to the measured one. Workers run `tf_gradsync.bench.multiworker`'s worker with a TF_CONFIG
-of namespace addresses and read their link's kernel tx counter around the timed steps.
+of its step (`predicted_s`) next to the measured one. Workers run
+`tf_gradsync.bench.multiworker`'s worker with a TF_CONFIG of namespace addresses and
+read their link's kernel tx counter around the timed steps.
 Needs root. Everything created (namespaces, links, bridge, processes) is removed on
 return, on error, on SIGINT/SIGTERM and at exit; leftovers of a killed run are removed
 at the next start.

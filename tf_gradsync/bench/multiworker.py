@@ -127,18 +127,13 @@ def worker(mode: str, params: int, steps: int, batch: int, ifname: str | None = 
 def payload_bytes(compressor, specs, bucket_bytes: int) -> int:
     """Bytes of the payload tensors one replica produces for gradients of `specs`.
 
-    Computed apart from the pipeline's counters, by compressing each bucket of the
-    same plan once (every round, for multi-round compressors), past any warm-up.
+    Computed apart from the pipeline's counters, from the tensors the compressor builds
+    for each bucket of the same plan (every round, for multi-round compressors), past
+    any warm-up (`costmodel.model_payloads`).
     """
-    import tensorflow as tf
     from tf_gradsync import costmodel
-    from tf_gradsync.bucketing import plan_buckets
-    total = 0
-    for b in plan_buckets(specs, bucket_bytes).buckets:
-        _, sent = costmodel.roundtrip_fn(compressor, b.layout)(
-            tf.random.stateless_normal([b.numel], (3, b.id), dtype=b.dtype))
-        total += int(sent)
-    return total
+    return sum(n for b in costmodel.model_payloads(compressor, specs, bucket_bytes, 1)
+               for _, n in b.rounds)
 
 
 def _sparse_gradient(variable) -> bool:

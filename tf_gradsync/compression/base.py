@@ -136,6 +136,11 @@ class Context:
             return self.layout
         return Layout.flat(x.shape.num_elements(), x.dtype)
 
+    def substate(self, prefix: str) -> dict[str, tf.Variable]:
+        """The state kept under `prefix` (a wrapped compressor's, a chunk's), keyed
+        without it."""
+        return {k[len(prefix):]: v for k, v in self.state.items() if k.startswith(prefix)}
+
     def replica_seed(self) -> tf.Tensor:
         """`seed` with this replica mixed in: independent noise per replica."""
         seed = tf.convert_to_tensor(self.seed, tf.int64)

@@ -70,8 +70,8 @@ def run(compressor: Compressor, xs: Sequence[tf.Tensor], ctxs: Sequence[Context]
     sent: dict[int, int] = {}
 
     def one_mode(mode: int):
-        results, bytes_, errors = _rounds(compressor, xs, ctxs, exchange, devices, mode,
-                                          measure_error)
+        results, bytes_, errors = run_mode(compressor, xs, ctxs, exchange, devices, mode,
+                                           measure_error)
         sent[mode] = bytes_
         return results, errors
 
@@ -91,8 +91,13 @@ def run(compressor: Compressor, xs: Sequence[tf.Tensor], ctxs: Sequence[Context]
     return Outcome(out, total, err, norm)
 
 
-def _rounds(compressor, xs, ctxs, exchange, devices, mode, measure_error):
-    """Drives every replica's generator through the rounds of one mode."""
+def run_mode(compressor: Compressor, xs: Sequence[tf.Tensor], ctxs: Sequence[Context],
+             exchange: Exchange, devices: Sequence[str | None] | None = None, mode: int = 0,
+             measure_error: bool = False):
+    """Drives every replica's generator through the rounds of one static `mode` (`run`
+    picks the mode at run time). Returns per-replica results, the bytes `exchange`
+    reported, and the error terms `(error_sq, norm_sq)`."""
+    devices = list(devices) if devices is not None else [None] * len(xs)
     ctxs = [dataclasses.replace(c, mode=mode, errors=[] if measure_error else None)
             for c in ctxs]
     gens, messages = [], []

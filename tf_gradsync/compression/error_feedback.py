@@ -69,8 +69,7 @@ class ErrorFeedback(Wrapper):
 
     @staticmethod
     def _inner_ctx(ctx: Context) -> Context:
-        state = {k[len(_INNER):]: v for k, v in ctx.state.items() if k.startswith(_INNER)}
-        return dataclasses.replace(ctx, state=state, errors=None)
+        return dataclasses.replace(ctx, state=ctx.substate(_INNER), errors=None)
 
     def mode(self, ctx: Context) -> tf.Tensor | None:
         return self.inner.mode(self._inner_ctx(ctx))

@@ -91,8 +91,7 @@ class Guard(Compressor):
 
     @staticmethod
     def _sub(ctx: Context, prefix: str, mode: int) -> Context:
-        state = {k[len(prefix):]: v for k, v in ctx.state.items() if k.startswith(prefix)}
-        return dataclasses.replace(ctx, state=state, mode=mode, errors=[])
+        return dataclasses.replace(ctx, state=ctx.substate(prefix), mode=mode, errors=[])
 
     def mode(self, ctx: Context) -> tf.Tensor:
         """The inner compressor's modes while `level` is 0, then the fallback's."""

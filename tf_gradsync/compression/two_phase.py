@@ -102,8 +102,7 @@ def state_spec(compressor: Compressor, layout: Layout, chunks: Chunks) -> dict[s
 
 def chunk_context(ctx: Context, j: int) -> Context:
     """The context chunk `j` is compressed in: its layout, its state, its own seed."""
-    prefix = f"c{j}_"
-    state = {k[len(prefix):]: v for k, v in ctx.state.items() if k.startswith(prefix)}
+    state = ctx.substate(f"c{j}_")
     # Equal on every replica for the same chunk, different between chunks, so that
     # random choices do not repeat from chunk to chunk.
     seed = tf.convert_to_tensor(ctx.seed, tf.int64) + tf.constant([0, (j + 1) * 0x61C88647],
