@@ -802,3 +802,20 @@ def test_ops_warmup_steps():
     with pytest.raises(ValueError, match="warmup_steps must be a non-negative integer, got -3"):
         gs.CompressedAllReduce("topk", warmup_steps=-3)
     assert gs.SyncConfig(compression="sign", warmup_steps=7).build().compressor.steps == 7
+
+
+@pytest.mark.parametrize("sizes", [[3, 0, 5, 1], [40000, 1, 30000, 7]])   # small, large
+def test_segment_statistics_match_numpy(sizes):
+    """Per-segment sums, maxima and expansion, with the segment ids held as a constant
+    (small buckets) or built from the segment starts (large ones)."""
+    seg = _util.Segments(sizes)
+    assert (seg.numel > _util.SMALL_IDS) == (sizes[0] > 100)
+    v = np.random.default_rng(0).normal(size=seg.numel).astype(np.float32)
+    ids = np.repeat(np.arange(seg.count), seg.sizes)
+    np.testing.assert_array_equal(seg.ids().numpy(), ids)
+    pieces = np.split(v, np.cumsum(seg.sizes)[:-1])
+    np.testing.assert_allclose(seg.sum(tf.constant(v)).numpy(), [p.sum() for p in pieces],
+                               rtol=1e-5)
+    np.testing.assert_array_equal(seg.max(tf.constant(v)).numpy(), [p.max() for p in pieces])
+    per = tf.range(seg.count, dtype=tf.float32) + 0.5
+    np.testing.assert_array_equal(seg.expand(per).numpy(), ids + 0.5)

@@ -175,6 +175,10 @@ def select(mag: tf.Tensor, k: int, seed: tf.Tensor, sample_ratio: float,
     return tf.where(valid, idx, 0), valid
 
 
+#: Buckets up to this many elements keep their segment ids as a graph constant.
+SMALL_IDS = 1 << 16
+
+
 class Segments:
     """Contiguous segments of a flat bucket: its tensors, or chunks of its tensors.
 
@@ -216,7 +220,14 @@ class Segments:
 
     def ids(self) -> tf.Tensor:
         """int32 [numel]: the segment of each element."""
-        return tf.repeat(tf.range(self.count, dtype=tf.int32), self.sizes)
+        # A few ops either way: `tf.repeat` over a list of sizes builds dozens per call,
+        # which made tracing a bucket of many tensors take seconds.
+        if self.numel <= SMALL_IDS:
+            return tf.constant(np.repeat(np.arange(self.count, dtype=np.int32), self.sizes))
+        # Large buckets: a 1 at each segment's start, summed up (no numel-sized constant).
+        starts = tf.scatter_nd(tf.constant(self.offsets[1:], tf.int32)[:, None],
+                               tf.ones([self.count - 1], tf.int32), [self.numel])
+        return tf.math.cumsum(starts)
 
     def _reduce(self, plain, segment, v: tf.Tensor, ids) -> tf.Tensor:
         if self.count == 1:
