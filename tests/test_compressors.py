@@ -8,6 +8,7 @@ kernel, a matrix, biases, a scalar and an empty tensor).
 
 import math
 import os
+import types
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -804,18 +805,30 @@ def test_ops_warmup_steps():
     assert gs.SyncConfig(compression="sign", warmup_steps=7).build().compressor.steps == 7
 
 
-@pytest.mark.parametrize("sizes", [[3, 0, 5, 1], [40000, 1, 30000, 7]])   # small, large
-def test_segment_statistics_match_numpy(sizes):
-    """Per-segment sums, maxima and expansion, with the segment ids held as a constant
-    (small buckets) or built from the segment starts (large ones)."""
-    seg = _util.Segments(sizes)
-    assert (seg.numel > _util.SMALL_IDS) == (sizes[0] > 100)
+def _layout_sizes(sizes):
+    return types.SimpleNamespace(sizes=sizes)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: _util.Segments([3, 0, 5, 1]),                       # small, irregular
+    lambda: _util.Segments([70000, 1, 30000, 7]),               # long runs and short ones
+    lambda: _util.Segments(list(range(1, 600))),                # several id pieces
+    lambda: _util.Segments.chunks(_layout_sizes([40000, 3, 517, 20000]), 16),   # blocks
+    lambda: _util.Segments.chunks(_layout_sizes([4096, 4096]), 512),            # regular
+], ids=["small", "long_runs", "id_pieces", "blocks", "regular"])
+def test_segment_statistics_match_numpy(make):
+    """Per-segment sums, maxima, means and expansion against numpy, for each way a
+    bucket is cut into pieces (reshaped runs, segment reductions over id pieces)."""
+    seg = make()
+    sizes = np.asarray(seg.sizes)
+    assert sizes.sum() == seg.numel and len(sizes) == seg.count
     v = np.random.default_rng(0).normal(size=seg.numel).astype(np.float32)
-    ids = np.repeat(np.arange(seg.count), seg.sizes)
-    np.testing.assert_array_equal(seg.ids().numpy(), ids)
-    pieces = np.split(v, np.cumsum(seg.sizes)[:-1])
+    pieces = np.split(v, np.cumsum(sizes)[:-1])
     np.testing.assert_allclose(seg.sum(tf.constant(v)).numpy(), [p.sum() for p in pieces],
-                               rtol=1e-5)
+                               rtol=1e-4, atol=1e-4)
     np.testing.assert_array_equal(seg.max(tf.constant(v)).numpy(), [p.max() for p in pieces])
+    np.testing.assert_allclose(seg.mean(tf.constant(v)).numpy(), [p.mean() for p in pieces],
+                               rtol=1e-4, atol=1e-5)
     per = tf.range(seg.count, dtype=tf.float32) + 0.5
-    np.testing.assert_array_equal(seg.expand(per).numpy(), ids + 0.5)
+    np.testing.assert_array_equal(seg.expand(per).numpy(),
+                                  np.repeat(np.arange(seg.count), sizes) + 0.5)

@@ -59,17 +59,15 @@ class OneBit(Compressor):
     def compress(self, x: tf.Tensor, ctx: Context):
         """Returns `((packed bits, positive, negative magnitudes), (segments, dtype))`."""
         seg = _util.blocks(ctx.layout_of(x), self.block)
-        ids = seg.index()
         wd = _util.work_dtype(x.dtype)
         v = tf.cast(x, wd)
         bit = v >= 0
         pos = tf.cast(bit, wd)
         sq = tf.square(v)
-        n_pos = seg.sum(pos, ids)
-        sq_pos = seg.sum(sq * pos, ids)
+        n_pos = seg.sum(pos)
+        sq_pos = seg.sum(sq * pos)
         hi = tf.sqrt(tf.math.divide_no_nan(sq_pos, n_pos))
-        lo = tf.sqrt(tf.math.divide_no_nan(seg.sum(sq, ids) - sq_pos,
-                                           tf.constant(seg.sizes, wd) - n_pos))
+        lo = tf.sqrt(tf.math.divide_no_nan(seg.sum(sq) - sq_pos, seg.sizes_as(wd) - n_pos))
         bad, sd = _util.poison(x, wd), _util.scale_dtype(x.dtype)
         return (_util.pack(bit, 1), tf.cast(hi + bad, sd), tf.cast(lo + bad, sd)), (seg, x.dtype)
 
@@ -79,9 +77,8 @@ class OneBit(Compressor):
         seg, dtype = meta
         wd = _util.work_dtype(dtype)
         bit = _util.unpack(packed, 1, seg.numel) == 1
-        ids = seg.index()
-        return tf.cast(tf.where(bit, seg.expand(tf.cast(hi, wd), ids),
-                                -seg.expand(tf.cast(lo, wd), ids)), dtype)
+        return tf.cast(tf.where(bit, seg.expand(tf.cast(hi, wd)),
+                                -seg.expand(tf.cast(lo, wd))), dtype)
 
     def server_codec(self) -> Compressor:
         """int8, as for `Sign` (see `Sign.server_codec`): one bit per entry cannot

@@ -76,14 +76,12 @@ class Sign(Compressor):
     def compress(self, x: tf.Tensor, ctx: Context):
         """Returns `((packed bits, scales), (segments, dtype))`."""
         seg = _util.blocks(ctx.layout_of(x), self.block)
-        ids = seg.index()
         wd = _util.work_dtype(x.dtype)
         v = tf.cast(x, wd)
-        sizes = tf.constant(seg.sizes, wd)
         if self.scale == "l2":
-            scale = tf.sqrt(seg.sum(tf.square(v), ids) / sizes)
+            scale = tf.sqrt(seg.mean(tf.square(v)))
         else:
-            scale = seg.sum(tf.abs(v), ids) / sizes
+            scale = seg.mean(tf.abs(v))
         scale = tf.cast(scale + _util.poison(x, wd), _util.scale_dtype(x.dtype))
         return (_util.pack(v >= 0, 1), scale), (seg, x.dtype)
 

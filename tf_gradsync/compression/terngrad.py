@@ -57,17 +57,15 @@ class TernGrad(Compressor):
     def compress(self, x: tf.Tensor, ctx: Context):
         """Returns `((packed codes, scales), (segments, dtype))`."""
         seg = _util.Segments.of(ctx.layout_of(x))
-        ids = None if seg.count == 1 else seg.ids()
         wd = _util.work_dtype(x.dtype)
         v = tf.cast(x, wd)
         if self.clip is not None:
-            sizes = tf.constant(seg.sizes, wd)
-            mean = seg.sum(v, ids) / sizes
-            var = tf.maximum(seg.sum(tf.square(v), ids) / sizes - tf.square(mean), 0)
+            mean = seg.mean(v)
+            var = tf.maximum(seg.mean(tf.square(v)) - tf.square(mean), 0)
             bound = seg.expand(self.clip * tf.sqrt(var))
             # A constant tensor has sigma 0: leave it unclipped rather than zeroed.
             v = tf.where(bound > 0, tf.clip_by_value(v, -bound, bound), v)
-        scale = seg.max(tf.abs(v), ids)
+        scale = seg.max(tf.abs(v))
         u = tf.random.stateless_uniform(tf.shape(v), ctx.replica_seed(), dtype=wd)
         keep = u < tf.math.divide_no_nan(tf.abs(v), seg.expand(scale))
         codes = tf.where(keep, tf.where(v > 0, 1, 2), 0)
