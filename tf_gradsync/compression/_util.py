@@ -59,19 +59,38 @@ def poison(x: tf.Tensor, dtype: tf.DType = tf.float32) -> tf.Tensor:
 def pack(codes: tf.Tensor, bits: int) -> tf.Tensor:
     """Packs integer codes in [0, 2**bits) into uint8, 8 // bits per byte, LSB first."""
     per = 8 // bits
-    codes = tf.cast(codes, tf.int32)
+    # In uint8 throughout: the codes' bit fields do not overlap, so the weighted sum of a
+    # byte's codes stays below 256, and no int32 copy of the bucket is made.
+    codes = tf.cast(codes, tf.uint8)
     pad = -numel(codes) % per
-    codes = tf.reshape(tf.pad(codes, [[0, pad]]), [-1, per])
-    shifted = tf.bitwise.left_shift(codes, tf.range(0, 8, bits, dtype=tf.int32))
-    return tf.cast(tf.reduce_sum(shifted, axis=1), tf.uint8)
+    if pad:
+        codes = tf.pad(codes, [[0, pad]])
+    weights = tf.constant([1 << (bits * i) for i in range(per)], tf.uint8)
+    return tf.reduce_sum(tf.reshape(codes, [-1, per]) * weights, axis=1)
 
 
-def unpack(packed: tf.Tensor, bits: int, n: int) -> tf.Tensor:
-    """Inverse of `pack`: the first `n` int32 codes."""
-    wide = tf.cast(packed, tf.int32)[:, None]
-    codes = tf.bitwise.bitwise_and(
-        tf.bitwise.right_shift(wide, tf.range(0, 8, bits, dtype=tf.int32)), (1 << bits) - 1)
-    return tf.reshape(codes, [-1])[:n]
+def unpack(packed: tf.Tensor, bits: int, n: int, values=None, dtype: tf.DType = tf.int32
+           ) -> tf.Tensor:
+    """Inverse of `pack`: the first `n` codes, or `values[code]` when given.
+
+    One lookup per byte in a table of its 8 // bits codes (or their values), instead of
+    shifting and masking a widened copy of the bucket once per code.
+
+    Args:
+      packed: uint8 bytes from `pack`.
+      bits: bits per code.
+      n: codes to return.
+      values: optional, what each code in [0, 2**bits) stands for.
+      dtype: the result's dtype (int32 codes by default).
+    """
+    per = 8 // bits
+    byte = np.arange(256)[:, None]
+    table = (byte >> (bits * np.arange(per))[None, :]) & ((1 << bits) - 1)
+    if values is not None:
+        table = np.asarray(values)[table]
+    looked = tf.gather(tf.constant(table, dtype), tf.cast(packed, tf.int32))
+    flat = tf.reshape(looked, [-1])
+    return flat if numel(flat) == n else flat[:n]
 
 
 def scatter(values: tf.Tensor, indices: tf.Tensor, n: int, dtype: tf.DType) -> tf.Tensor:

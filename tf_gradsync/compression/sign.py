@@ -90,7 +90,7 @@ class Sign(Compressor):
         packed, scale = payload
         seg, dtype = meta
         wd = _util.work_dtype(dtype)
-        signs = tf.cast(2 * _util.unpack(packed, 1, seg.numel) - 1, wd)
+        signs = _util.unpack(packed, 1, seg.numel, values=(-1, 1), dtype=wd)
         return tf.cast(signs * seg.expand(tf.cast(scale, wd)), dtype)
 
     def server_codec(self) -> Compressor:

@@ -75,6 +75,5 @@ class TernGrad(Compressor):
         """scale * {0, +1, -1}[code], in the input dtype."""
         packed, scale = payload
         seg, dtype = meta
-        codes = _util.unpack(packed, 2, seg.numel)
-        t = tf.cast(codes == 1, scale.dtype) - tf.cast(codes == 2, scale.dtype)
+        t = _util.unpack(packed, 2, seg.numel, values=(0, 1, -1, 0), dtype=scale.dtype)
         return tf.cast(t * seg.expand(scale), dtype)
