@@ -47,6 +47,10 @@ def _model(strategy, ops):
     return model
 
 
+def _batches(x, y):
+    return train_digits.batches(x, y, BATCH)
+
+
 def _state_values(ops):
     return {k: v for k, v in ops._state.values().items() if not k.startswith("stats_bytes")}
 
@@ -75,22 +79,26 @@ def _assert_same(a_model, a_ops, b_model, b_ops):
 def test_backup_and_restore_resumes_exactly(name, data, devices, tmp_path):
     x, y = data
     epochs = 3
+    # One repeated pipeline per fit (its epochs are passes over the data, as with arrays).
+    steps_per_epoch = train_digits.steps_per_epoch(len(x), BATCH)
 
     ops, strategy = _strategy(name, devices)
     model = _model(strategy, ops)
-    model.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0)
+    model.fit(_batches(x, y), steps_per_epoch=steps_per_epoch, epochs=epochs, shuffle=False,
+              verbose=0)
 
     backup = tf.keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))
     ops1, strategy1 = _strategy(name, devices)
     first = _model(strategy1, ops1)
     with pytest.raises(KeyboardInterrupt):
-        first.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0,
-                  callbacks=[backup, _Interrupt(1)])
+        first.fit(_batches(x, y), steps_per_epoch=steps_per_epoch, epochs=epochs, shuffle=False,
+                  verbose=0, callbacks=[backup, _Interrupt(1)])
     assert ops1.stats()["steps"] == 2 * int(np.ceil(len(x) / BATCH))   # stopped after 2 epochs
 
     ops2, strategy2 = _strategy(name, devices)
     resumed = _model(strategy2, ops2)
-    resumed.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0,
+    resumed.fit(_batches(x, y), steps_per_epoch=steps_per_epoch, epochs=epochs, shuffle=False,
+                verbose=0,
                 callbacks=[tf.keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))])
     steps = epochs * int(np.ceil(len(x) / BATCH))
     assert ops.stats()["steps"] == ops2.stats()["steps"] == steps
