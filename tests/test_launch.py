@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 
 import pytest
@@ -159,3 +160,30 @@ def test_attempt_timeout_stops_a_hung_job(tmp_path):
     assert out.returncode == launch.TIMEOUT_CODE
     assert out.stdout.count("up") == 4         # two attempts of two workers
     assert time.monotonic() - start < 60
+
+
+def test_the_package_loads_tensorflow_only_when_used():
+    """The launcher starts at once: importing tf_gradsync (which `python -m
+    tf_gradsync.launch` does) does not import TensorFlow; each public name resolves
+    to its module's object when first used."""
+    code = textwrap.dedent("""
+        import sys
+        import tf_gradsync as gs
+        assert "tensorflow" not in sys.modules
+        assert sorted(gs.__all__) == sorted(gs._EXPORTS)
+        import tf_gradsync.cross_device_ops as cdo
+        assert gs.CompressedAllReduce is cdo.CompressedAllReduce
+        for name in gs.__all__:
+            assert getattr(gs, name) is not None, name
+        assert gs.pipeline.__name__ == "tf_gradsync.pipeline"   # other submodules too
+        try:
+            gs.no_such_name
+        except AttributeError as e:
+            assert "no_such_name" in str(e)
+        else:
+            raise AssertionError("no error")
+        print("ok")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], env=ENV, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
