@@ -150,7 +150,7 @@ def batches(x, y, batch_size: int):
     epoch, whose set-up and teardown cost about as much as a small model's epoch. The
     batches are the same. tf.data's autotuning is off: an iterator's teardown waits out
     its autotuning thread's current sleep, which grows with the iterator's age (up to
-    15 s seen after a minute of training), and there is nothing to tune here.
+    15 s seen at the end of a 10-epoch fit), and there is nothing to tune here.
     """
     import tensorflow as tf
     options = tf.data.Options()
