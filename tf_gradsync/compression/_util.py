@@ -266,10 +266,6 @@ class Segments:
         """Each segment's first element."""
         return tuple(int(o) for o in np.cumsum((0,) + self.sizes[:-1]))
 
-    def ids(self) -> tf.Tensor:
-        """int32 [numel]: the segment of each element (a constant; for small buckets)."""
-        return tf.constant(np.repeat(np.arange(self.count, dtype=np.int32), self.sizes))
-
     def _reduce(self, plain, segment, v: tf.Tensor) -> tf.Tensor:
         if self.count == 1:
             return plain(v, keepdims=True)
@@ -292,7 +288,7 @@ class Segments:
 
     def mean(self, v: tf.Tensor) -> tf.Tensor:
         """Per-segment means, [count]."""
-        return self.sum(v) / self.sizes_as(v.dtype)
+        return self._reduce(tf.reduce_mean, tf.math.segment_mean, v)
 
     def sizes_as(self, dtype: tf.DType) -> tf.Tensor:
         """The segment sizes as a [count] tensor of `dtype` ([1] for one segment)."""
