@@ -9,6 +9,7 @@ kernel, a matrix, biases, a scalar and an empty tensor).
 import math
 import os
 import types
+import warnings
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -381,6 +382,98 @@ def test_dgc_refuses_an_optimizer_with_momentum():
     C.get("dgc").check_optimizer(_Optimizer(beta_1=0.0))
     C.get("topk").check_optimizer(_Optimizer(momentum=0.9))
     C.ErrorFeedback("topk").check_optimizer(_Optimizer(beta_1=0.9))
+
+
+@pytest.mark.parametrize("optimizer,adaptive", [
+    (tf.keras.optimizers.Adam(), True), (tf.keras.optimizers.AdamW(), True),
+    (tf.keras.optimizers.RMSprop(), True), (tf.keras.optimizers.Adagrad(), True),
+    (tf.keras.optimizers.SGD(0.1, momentum=0.9), False), (tf.keras.optimizers.Lion(), False),
+    (_Optimizer(), False)])
+def test_learning_rate_scale_by_optimizer(optimizer, adaptive):
+    """Only optimizers that divide by a running root mean square need a larger rate,
+    and only with payloads that leave entries out: sqrt of their send interval."""
+    def scale(c):
+        return gs.CompressedAllReduce(c).learning_rate_scale(optimizer)
+    expected = {"topk": 0.01 ** -0.25, C.get("threshold", ratio=0.25): 2 ** 0.5,
+                "randomk": 2 ** 0.5, C.get("randomk", ratio=0.1, scale=True): 10 ** 0.5,
+                "adaptive": 0.01 ** -0.25, C.get("dgc", momentum=0.0): 0.01 ** -0.25}
+    for c, factor in expected.items():
+        assert scale(c) == pytest.approx(factor if adaptive else 1.0), c
+    for dense in ("none", "fp16", "int8", "qsgd", "sign", "onebit", "terngrad", "powersgd"):
+        assert scale(dense) == 1.0
+
+
+def test_learning_rate_scale_of_wrappers():
+    adam = tf.keras.optimizers.Adam()
+    assert gs.CompressedAllReduce("topk", guard=True, warmup_steps=5).learning_rate_scale(
+        adam) == pytest.approx(10 ** 0.5)
+    assert C.get("adaptive", min_ratio=0.04).learning_rate_scale(adam) == pytest.approx(5 ** 0.5)
+    assert C.get("adaptive", inner="randomk", min_ratio=0.04).learning_rate_scale(
+        adam) == pytest.approx(5.0)
+
+
+def test_a_sparse_payload_warns_an_adaptive_optimizer():
+    with pytest.warns(UserWarning, match=r"TopK\(ratio=0.01\) sends an entry about every 10 "
+                                         r"steps and Adam .* 3.16x"):
+        C.ErrorFeedback("topk").check_optimizer(tf.keras.optimizers.Adam())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        C.ErrorFeedback("topk").check_optimizer(tf.keras.optimizers.SGD(momentum=0.9))
+        C.get("int8").check_optimizer(tf.keras.optimizers.Adam())
+
+
+_ADAM_STEPS, _ADAM_N = 300, 2000
+
+
+def _adam_run(learning_rate: float, compressor: C.Compressor | None) -> tuple[float, float]:
+    """Feeds Adam `_ADAM_STEPS` steps of a gradient with mean 1 and noise 0.5 per entry,
+    dense or through `compressor` (one replica, its state carried across steps, a new
+    seed per step as the pipeline gives).
+
+    Returns:
+      How far the weights moved (mean over entries), and the mean number of steps
+      between two sends of an entry.
+    """
+    rng = np.random.default_rng(0)
+    grads = tf.constant(1 + 0.5 * rng.standard_normal((_ADAM_STEPS, _ADAM_N)), tf.float32)
+    w = tf.Variable(tf.zeros(_ADAM_N))
+    sends = tf.Variable(0.0)
+    opt = tf.keras.optimizers.Adam(learning_rate)
+    opt.build([w])
+    state = None if compressor is None else make_state(compressor, C.Layout.flat(_ADAM_N))
+
+    @tf.function
+    def step(t):
+        g = grads[t]
+        if compressor is not None:
+            t64 = tf.cast(t, tf.int64)
+            g = roundtrip(compressor, g, state, step=t64, seed=tf.stack([t64, 7]))
+        sends.assign_add(tf.math.count_nonzero(g, dtype=tf.float32))
+        opt.apply_gradients([(g, w)])
+
+    for t in range(_ADAM_STEPS):
+        step(tf.constant(t))
+    return float(-tf.reduce_mean(w)), _ADAM_STEPS * _ADAM_N / float(sends)
+
+
+@pytest.mark.parametrize("name,kwargs", [
+    ("topk", {"ratio": 0.1}), ("threshold", {"ratio": 0.04}), ("randomk", {"ratio": 0.25}),
+    ("dgc", {"ratio": 0.1, "momentum": 0.0})])
+def test_adam_moves_sqrt_k_slower_through_sparse_payloads(name, kwargs):
+    """The law `learning_rate_scale` rests on, measured against dense Adam on the same
+    gradients: through error feedback an entry sent every K steps moves about
+    1/sqrt(K) as far, and sqrt(K) times the learning rate brings the distance back.
+    (Here every entry has the same mean, so top-k too sends each every 1/ratio steps;
+    random-k's `send_interval` is that measured interval.)"""
+    c = gs.CompressedAllReduce(C.get(name, **kwargs)).compressor
+    dense, _ = _adam_run(1e-3, None)
+    moved, k = _adam_run(1e-3, c)
+    assert k == pytest.approx(1 / kwargs["ratio"], rel=0.1)
+    if name == "randomk":
+        assert c.send_interval() == pytest.approx(k, rel=0.1)
+    assert 0.7 < moved / dense * math.sqrt(k) < 1.3, (moved / dense, k)
+    restored, _ = _adam_run(1e-3 * math.sqrt(k), c)
+    assert 0.8 < restored / dense < 1.3, restored / dense
 
 
 # ----------------------------------------------------------------- ErrorFeedback

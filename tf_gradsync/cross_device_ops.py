@@ -135,6 +135,19 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
     def bucket_bytes(self) -> int:
         return self._bucket_bytes
 
+    def learning_rate_scale(self, optimizer) -> float:
+        """The factor by which to multiply the learning rate that `optimizer` trains
+        with uncompressed: 1.0, except for optimizers that divide by a running root mean
+        square (Adam and its kin) with compressors whose entries wait K steps between
+        sends, sqrt(K) (see `Compressor.learning_rate_scale`).
+
+        Example:
+          >>> ops = tf_gradsync.CompressedAllReduce("topk")
+          >>> lr = 1e-3 * ops.learning_rate_scale(tf.keras.optimizers.Adam())
+          >>> optimizer = tf.keras.optimizers.Adam(lr)                # 3.16e-3
+        """
+        return self._compressor.learning_rate_scale(optimizer)
+
     def stats(self) -> dict[str, float]:
         """Communication counters; see `tf_gradsync.stats.Stats.as_dict`."""
         return self._stats.as_dict()

@@ -100,6 +100,10 @@ class Adaptive(Compressor):
     def check_input(self, x: tf.Tensor) -> None:
         self.inner.check_input(x)
 
+    def send_interval(self) -> float:
+        """The inner sparsifier's at `min_ratio`, sent outside critical regimes."""
+        return self.variants[0].send_interval()
+
     def for_error_feedback(self) -> "Adaptive":
         inner = self.inner.for_error_feedback()
         if inner is self.inner:

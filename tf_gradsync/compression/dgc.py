@@ -13,7 +13,8 @@ from typing import Any, Sequence
 import tensorflow as tf
 
 from tf_gradsync.compression import _util
-from tf_gradsync.compression.base import Compressor, Context, Layout, StateSpec, register
+from tf_gradsync.compression.base import (Compressor, Context, Layout, StateSpec,
+                                          optimizer_config, register)
 
 
 @register("dgc")
@@ -117,6 +118,11 @@ class DGC(Compressor):
                 "the two compound and training diverges or stalls. Use SGD without "
                 "momentum (SGD(momentum=0.0)), or dgc with momentum=0.0 (sparsification "
                 "with accumulation, no momentum correction)")
+        super().check_optimizer(optimizer)
+
+    def send_interval(self) -> float:
+        """sqrt(1/ratio), as top-k's (see `TopK.send_interval`)."""
+        return 1 / math.sqrt(self.ratio)
 
     def compress(self, x: tf.Tensor, ctx: Context):
         """Returns `((values, int32 indices), (n, dtype))`; updates `u` and `v`."""
@@ -182,13 +188,7 @@ class _Selection(Compressor):
 def _optimizer_momentum(optimizer: Any) -> tuple[str, float]:
     """The name and value of the momentum an optimizer applies: SGD's `momentum`, the
     first-moment decay `beta_1` of Adam and its kin; 0 when none (or unknown)."""
-    try:
-        # Read eagerly: the check runs while a step is traced, and the config reads
-        # the optimizer's variables (the learning rate).
-        with tf.init_scope():
-            config = optimizer.get_config()
-    except Exception:  # pylint: disable=broad-except
-        return "momentum", 0.0
+    config = optimizer_config(optimizer)
     for name in ("momentum", "beta_1"):
         value = config.get(name)
         if isinstance(value, (int, float)) and not isinstance(value, bool) and value:

@@ -78,6 +78,9 @@ class Guard(Compressor):
         self.inner.check_optimizer(optimizer)
         self.fallback.check_optimizer(optimizer)
 
+    def send_interval(self) -> float:
+        return self.inner.send_interval()
+
     def sparse_values_dtype(self, dtype: tf.DType) -> tf.DType | None:
         return self.inner.sparse_values_dtype(dtype)
 

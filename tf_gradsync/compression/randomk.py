@@ -73,6 +73,10 @@ class RandomK(Compressor):
         self.ratio, self.scale, self.cyclic = ratio, scale, cyclic
         self.unbiased = scale
 
+    def send_interval(self) -> float:
+        """1/ratio: every entry is equally likely to go out."""
+        return 1 / self.ratio
+
     def for_error_feedback(self) -> "RandomK":
         """The unscaled (biased, contractive) form, for use under error feedback."""
         return RandomK(self.ratio, scale=False, cyclic=self.cyclic) if self.scale else self

@@ -7,6 +7,7 @@ References:
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import tensorflow as tf
@@ -53,6 +54,10 @@ class Threshold(Compressor):
         _util.check_number("sample_ratio", sample_ratio, 0, 1, low_open=True)
         self.ratio = ratio
         self.sample_ratio = sample_ratio
+
+    def send_interval(self) -> float:
+        """sqrt(1/ratio), as top-k's (see `TopK.send_interval`)."""
+        return 1 / math.sqrt(self.ratio)
 
     def compress(self, x: tf.Tensor, ctx: Context):
         """Returns `((values, int32 indices), (n, dtype))`."""
