@@ -36,7 +36,8 @@ def define_flags():
     flags.DEFINE_integer("batch_size", 64, "Global batch size.")
     flags.DEFINE_integer("seed", 0, "Random seed.")
     flags.DEFINE_enum("optimizer", "adam", ["adam", "sgd"], "Optimizer.")
-    flags.DEFINE_float("learning_rate", None, "Learning rate (default: adam 1e-3, sgd 0.05).")
+    flags.DEFINE_float("learning_rate", None, "Learning rate (default: adam 1e-3, sgd 0.05, "
+                       "times the compressor's learning_rate_scale).")
     flags.DEFINE_float("momentum", 0.9, "SGD momentum (0 for compressors that apply their "
                        "own, such as dgc).")
     flags.DEFINE_string("tensorboard_dir", None, "Write the monitor's scalars for TensorBoard.")
@@ -216,7 +217,14 @@ def main(argv):
         log_keys=("comm_bytes", "compression_ratio", "comm_error"))
 
     def optimizer(keras):
-        return make_optimizer(keras, FLAGS.optimizer, FLAGS.learning_rate, FLAGS.momentum)
+        opt = make_optimizer(keras, FLAGS.optimizer, FLAGS.learning_rate, FLAGS.momentum)
+        scale = ops.learning_rate_scale(opt)
+        if FLAGS.learning_rate is None and scale != 1:
+            # The default rate as the compressor advises: larger under Adam for the
+            # sparse payloads (CompressedAllReduce.learning_rate_scale).
+            lr = opt.get_config()["learning_rate"] * scale
+            opt = make_optimizer(keras, FLAGS.optimizer, lr, FLAGS.momentum)
+        return opt
     print(f"{FLAGS.model} on {strategy.num_replicas_in_sync} replicas, {ops.compressor!r}")
     start = time.perf_counter()
     _, acc = train(strategy, tf.keras, FLAGS.epochs, FLAGS.batch_size, FLAGS.seed,
