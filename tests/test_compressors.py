@@ -403,6 +403,12 @@ def test_learning_rate_scale_by_optimizer(optimizer, adaptive):
         assert scale(dense) == 1.0
 
 
+@pytest.mark.parametrize("name,factor", [("adam", 10 ** 0.5), ("rmsprop", 10 ** 0.5),
+                                         ("sgd", 1.0), ("lion", 1.0)])
+def test_learning_rate_scale_by_optimizer_name(name, factor):
+    assert gs.CompressedAllReduce("topk").learning_rate_scale(name) == pytest.approx(factor)
+
+
 def test_learning_rate_scale_of_wrappers():
     adam = tf.keras.optimizers.Adam()
     assert gs.CompressedAllReduce("topk", guard=True, warmup_steps=5).learning_rate_scale(

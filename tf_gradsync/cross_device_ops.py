@@ -143,8 +143,7 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
 
         Example:
           >>> ops = tf_gradsync.CompressedAllReduce("topk")
-          >>> lr = 1e-3 * ops.learning_rate_scale(tf.keras.optimizers.Adam())
-          >>> optimizer = tf.keras.optimizers.Adam(lr)                # 3.16e-3
+          >>> optimizer = tf.keras.optimizers.Adam(1e-3 * ops.learning_rate_scale("adam"))
         """
         return self._compressor.learning_rate_scale(optimizer)
 

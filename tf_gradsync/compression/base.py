@@ -387,7 +387,7 @@ class Compressor(abc.ABC):
 
         Args:
           optimizer: the Keras optimizer (Keras 3 or tf_keras) that applies the
-            gradients.
+            gradients, or its name ("adam", "sgd", ...).
 
         Returns:
           The factor, >= 1.
@@ -495,11 +495,14 @@ def optimizer_config(optimizer: Any) -> dict:
 
 
 def divides_by_rms(optimizer: Any) -> bool:
-    """Whether `optimizer` divides its update by a running root mean square of the
+    """Whether `optimizer` (a Keras optimizer, or a name `tf.keras.optimizers.get`
+    knows, such as "adam") divides its update by a running root mean square of the
     gradients (Adam, AdamW, Nadam, Adamax, Lamb, RMSprop, Adagrad, Adadelta).
 
     Told by its config: a mean-square setting next to the `epsilon` that guards the
     division (Lion has a beta_2 but no division, so no epsilon)."""
+    if isinstance(optimizer, str):
+        optimizer = tf.keras.optimizers.get(optimizer)
     config = optimizer_config(optimizer)
     return "epsilon" in config and any(k in config for k in _MEAN_SQUARE)
 
