@@ -33,6 +33,7 @@ import json
 import os
 import sys
 import time
+import warnings
 from typing import Sequence
 
 import numpy as np
@@ -179,9 +180,12 @@ def train_cell(model: str, recipe: str, mode: str, devices: Sequence[str], data,
         mirror = digits.build_model(tf.keras, SEED, None, model)
         clock = _Clock(ops, mirror, x_test, y_test, validate_every_epoch, track_error)
         try:
-            net.fit(digits.batches(x_train, y_train, BATCH_SIZE), epochs=epochs,
-                    steps_per_epoch=digits.steps_per_epoch(len(x_train), BATCH_SIZE),
-                    shuffle=False, callbacks=[clock], verbose=0)
+            with warnings.catch_warnings():
+                # The rate is already scaled: the first step's advice would only repeat it.
+                warnings.filterwarnings("ignore", message=".*learning_rate_scale")
+                net.fit(digits.batches(x_train, y_train, BATCH_SIZE), epochs=epochs,
+                        steps_per_epoch=digits.steps_per_epoch(len(x_train), BATCH_SIZE),
+                        shuffle=False, callbacks=[clock], verbose=0)
             break
         except ValueError as e:
             # A compressor that applies momentum itself refuses an optimizer with its
