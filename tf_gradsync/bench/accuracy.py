@@ -169,8 +169,7 @@ def train_cell(model: str, recipe: str, mode: str, devices: Sequence[str], data,
         ops = None if mode == "stock" else ops_from_spec(mode)
         # The recipe's learning rate as the library advises for this compressor
         # (`learning_rate_scale`: larger under Adam for sparse payloads).
-        scale = 1.0 if ops is None else ops.learning_rate_scale(
-            digits.make_optimizer(tf.keras, name, lr, momentum))
+        scale = 1.0 if ops is None else ops.learning_rate_scale(name)
         strategy = tf.distribute.MirroredStrategy(list(devices), cross_device_ops=ops)
         x_train, x_test, y_train, y_test = data
         with strategy.scope():

@@ -366,6 +366,14 @@ def scale_dtype(dtype: tf.DType) -> tf.DType:
     return tf.float64 if dtype == tf.float64 else tf.bfloat16
 
 
+def magnitude_send_interval(ratio: float) -> float:
+    """Steps an entry waits between sends when the `ratio` largest go out (top-k,
+    threshold, dgc): sqrt(1/ratio). The large entries go out about every step and the
+    small ones about every 1/ratio steps; the middle (geometric) of the two is what the
+    convergence matrix measured best under Adam (`Compressor.learning_rate_scale`)."""
+    return 1 / math.sqrt(ratio)
+
+
 def counts(ratio: float, seg: Segments) -> list[int]:
     """k per segment: max(1, ceil(ratio * size)), at most the size."""
     return [count(ratio, s) for s in seg.sizes]

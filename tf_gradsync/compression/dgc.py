@@ -121,8 +121,7 @@ class DGC(Compressor):
         super().check_optimizer(optimizer)
 
     def send_interval(self) -> float:
-        """sqrt(1/ratio), as top-k's (see `TopK.send_interval`)."""
-        return 1 / math.sqrt(self.ratio)
+        return _util.magnitude_send_interval(self.ratio)
 
     def compress(self, x: tf.Tensor, ctx: Context):
         """Returns `((values, int32 indices), (n, dtype))`; updates `u` and `v`."""

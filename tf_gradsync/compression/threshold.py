@@ -7,7 +7,6 @@ References:
 
 from __future__ import annotations
 
-import math
 from typing import Sequence
 
 import tensorflow as tf
@@ -56,8 +55,7 @@ class Threshold(Compressor):
         self.sample_ratio = sample_ratio
 
     def send_interval(self) -> float:
-        """sqrt(1/ratio), as top-k's (see `TopK.send_interval`)."""
-        return 1 / math.sqrt(self.ratio)
+        return _util.magnitude_send_interval(self.ratio)
 
     def compress(self, x: tf.Tensor, ctx: Context):
         """Returns `((values, int32 indices), (n, dtype))`."""

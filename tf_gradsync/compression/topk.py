@@ -51,10 +51,7 @@ class TopK(Compressor):
         self.ratio = ratio
 
     def send_interval(self) -> float:
-        """sqrt(1/ratio): selected by magnitude, the large entries go out about every
-        step and the small ones about every 1/ratio steps; the middle (geometric) of
-        the two is what the convergence matrix measured best under Adam."""
-        return 1 / math.sqrt(self.ratio)
+        return _util.magnitude_send_interval(self.ratio)
 
     def compress(self, x: tf.Tensor, ctx: Context):
         """Returns `((values, int32 indices), (n, dtype))`."""
