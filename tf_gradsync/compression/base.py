@@ -155,7 +155,11 @@ class Context:
             return
         wd = tf.float64 if x.dtype == tf.float64 else tf.float32
         x, approx = tf.cast(x, wd), tf.cast(approx, wd)
-        self.errors.append((tf.reduce_sum(tf.square(x - approx)), tf.reduce_sum(tf.square(x))))
+        # Fused forms: one pass for the difference and its square, a dot product (no
+        # squared copy of the bucket) for the norm.
+        flat = tf.reshape(x, [-1])
+        self.errors.append((tf.reduce_sum(tf.math.squared_difference(x, approx)),
+                            tf.tensordot(flat, flat, 1)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,6 +204,8 @@ class Compressor(abc.ABC):
       * `prescale`: divide the input by the number of replicas before compressing so
         that sums on the wire stay within the payload dtype's range (fp16).
       * `floating_only`: reject non-floating input.
+      * `exact`: decompresses to its input bit for bit, so its compression error is
+        zero without measuring it (two passes over the bucket saved).
       * `has_own_memory`: keeps its own error memory (no `ErrorFeedback` around it).
       * `default_error_feedback`: whether `CompressedAllReduce` wraps it in
         `ErrorFeedback` by default; None: when it is biased and has no memory.
@@ -228,6 +234,7 @@ class Compressor(abc.ABC):
     unbiased: ClassVar[bool] = True
     prescale: ClassVar[bool] = False
     floating_only: ClassVar[bool] = True
+    exact: ClassVar[bool] = False
     has_own_memory: ClassVar[bool] = False
     default_error_feedback: ClassVar[bool | None] = None
     accuracy: ClassVar[str] = "aggressive"
@@ -275,7 +282,7 @@ class Compressor(abc.ABC):
         payload = tuple(payload)
         # `compress` may record the error of what it really compressed (DGC: its
         # accumulated velocity); otherwise x against what the payload decodes to.
-        if ctx.errors is not None and len(ctx.errors) == recorded:
+        if ctx.errors is not None and len(ctx.errors) == recorded and not self.exact:
             ctx.record_error(x, self.decompress(payload, meta))
         return payload, meta
 

@@ -18,6 +18,7 @@ class NoCompression(Compressor):
     """
 
     accuracy = "lossless"
+    exact = True
 
     floating_only = False
 
