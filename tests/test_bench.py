@@ -168,3 +168,54 @@ def test_accuracy_cell_refused_by_the_compressor(devices):
     table = accuracy.matrix_table([dict(row, mode="none", vs_none_pts=0.0), dict(
         accuracy._refused("mlp", "sgdm", "dgc", "no: because"), vs_none_pts=None)])
     assert "| dgc | refused |" in table
+
+
+def test_timeline_tiny_run(tmp_path):
+    out = bench("timeline", "--compressors=none:bucket_bytes=1,none", "--width=32",
+                "--layers=2", "--global_batch=8", "--timeline_steps=2",
+                f"--json={tmp_path / 't.json'}", f"--timeline_png={tmp_path / 't.png'}",
+                timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = json.loads((tmp_path / "t.json").read_text())
+    assert [r["mode"] for r in rows] == ["none:bucket_bytes=1", "none"]
+    # Two hidden Dense layers and the head: six tensors, one bucket each, or one bucket.
+    assert [r["buckets"] for r in rows] == [6, 1]
+    for r in rows:
+        assert 0 < r["backprop_end_ms"] <= r["step_ms"]
+        assert 0 < r["exchange_ms"] <= r["step_ms"] and 0 <= r["hidden_ms"] <= r["exchange_ms"]
+        assert 0 <= r["hidden_share"] <= 1 and r["first_exchange_ms"] < r["step_ms"]
+    assert png_size(tmp_path / "t.png")[1] > 0
+
+
+def test_timeline_kinds_and_overlap_arithmetic():
+    from tf_gradsync.bench import timeline as T
+    assert T.kind_of("gradient_tape/replica_1/dense/MatMul/MatMul_1:MatMul") == "backward"
+    assert T.kind_of("sgd_1/gradsync/bucket_12/rounds/ring/add:AddV2") == "bucket 12"
+    assert T.kind_of("sgd_1/gradsync/pack/concat:ConcatV2") == "pack/unpack"
+    assert T.kind_of("sgd_1/update_0_4/AssignSubVariableOp:AssignSubVariableOp") == "update"
+    assert T.kind_of("replica_1/sequential/dense/Relu:_FusedMatMul") == "forward"
+    assert T.kind_of("ExecutorState::Process") is None and T.kind_of("step") is None
+    assert T.kind_of("EagerLocalExecute: __inference_step_713") is None
+    assert T.union_length([(0, 2), (1, 3), (5, 6)]) == 4
+    assert T.union_length([(0, 2), (1, 3), (5, 6)], until=1.5) == 1.5
+    ops = [T.Op(0.0, 1.0, "forward", "f"), T.Op(1.0, 4.0, "backward", "b"),
+           T.Op(2.0, 3.0, "bucket 0", "x"), T.Op(2.5, 5.0, "bucket 1", "y")]
+    s = T.summarize(ops)
+    assert s == {"step": 5.0, "backprop_end": 4.0, "first_exchange": 2.0, "exchange": 3.0,
+                 "hidden": 2.0}
+
+
+def test_passes_counts_the_data_path_from_the_graph(devices):
+    """none: a concat and a split per replica to pack and unpack (4 bytes per byte), the
+    tree's split, half-chunk add and concat; exact, so no error terms. fp16 adds casts
+    and the error measurement, which `measure_error=False` removes."""
+    from tf_gradsync.bench import passes as P
+    def count(spec, **kwargs):
+        return P.count(spec, (64, 30), devices=devices[:2], **kwargs)
+    none = count("none")
+    assert none["packing"] == pytest.approx(4.0, rel=0.01)
+    assert none["total"] == pytest.approx(none["packing"] + 5.5, rel=0.01)
+    assert count("none", measure_error=False) == none
+    fp16, fp16_off = count("fp16"), count("fp16", measure_error=False)
+    assert fp16["total"] > fp16_off["total"] > none["total"]
+    assert fp16["unknown"] == 0

@@ -214,13 +214,11 @@ def _crossing_edges(graph):
     return edges
 
 
-@pytest.mark.parametrize("algorithm", ["ring", "tree", "collective"])
-def test_traced_graph_sends_float16_payloads(devices, algorithm):
-    ops = gs.CompressedAllReduce("fp16", algorithm=algorithm, bucket_bytes=4096)
-    strategy = tf.distribute.MirroredStrategy(devices, cross_device_ops=ops)
+def _traced_train_step(strategy, widths):
+    """The graph of one SGD step of Dense layers of `widths` on 8 inputs."""
     with strategy.scope():
-        model = tf.keras.Sequential([tf.keras.Input((8,)), tf.keras.layers.Dense(16),
-                                     tf.keras.layers.Dense(4)])
+        model = tf.keras.Sequential([tf.keras.Input((8,))]
+                                    + [tf.keras.layers.Dense(w) for w in widths])
         opt = tf.keras.optimizers.SGD(0.1)
 
     @tf.function
@@ -232,7 +230,14 @@ def test_traced_graph_sends_float16_payloads(devices, algorithm):
             opt.apply_gradients(zip(grads, model.trainable_variables))
         strategy.run(fn, args=(x,))
 
-    graph = train_step.get_concrete_function(tf.TensorSpec([2, 8])).graph
+    return train_step.get_concrete_function(tf.TensorSpec([2, 8])).graph
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "tree", "collective"])
+def test_traced_graph_sends_float16_payloads(devices, algorithm):
+    ops = gs.CompressedAllReduce("fp16", algorithm=algorithm, bucket_bytes=4096)
+    strategy = tf.distribute.MirroredStrategy(devices, cross_device_ops=ops)
+    graph = _traced_train_step(strategy, [16, 4])
     edges = _crossing_edges(graph)
     assert edges, "the gradient all-reduce must move data between devices"
     floats = [t for t, _, _ in edges if t.dtype.is_floating]
@@ -241,6 +246,42 @@ def test_traced_graph_sends_float16_payloads(devices, algorithm):
     # Every float32 gradient element crosses only as half of its bytes.
     others = [t for t, _, _ in edges if not t.dtype.is_floating]
     assert all(t.shape.num_elements() is not None and t.shape.num_elements() <= 2 for t in others)
+
+
+def _ancestors(ops):
+    seen, todo = set(), list(ops)
+    while todo:
+        op = todo.pop()
+        for t in list(op.inputs) + [c.outputs[0] if c.outputs else None for c in op.control_inputs]:
+            src = t.op if t is not None else None
+            if src is not None and src not in seen:
+                seen.add(src)
+                todo.append(src)
+        for c in op.control_inputs:
+            if c not in seen:
+                seen.add(c)
+                todo.append(c)
+    return seen
+
+
+def test_a_bucket_waits_only_for_its_own_gradients(devices):
+    """Buckets hold the last layers first and have no edges between them, so the
+    exchange of the last layer's bucket does not wait for the first layer's gradient:
+    it can run while backpropagation goes on (BENCHMARKS.md, timeline)."""
+    ops = gs.CompressedAllReduce("none", bucket_bytes=1)     # one tensor per bucket
+    strategy = tf.distribute.MirroredStrategy(devices[:2], cross_device_ops=ops)
+    graph = _traced_train_step(strategy, [16, 16, 4])
+    scope = {b: [op for op in graph.get_operations() if f"gradsync/bucket_{b}/" in op.name]
+             for b in range(6)}
+    assert all(scope.values()), {b: len(v) for b, v in scope.items()}
+    # The backward ops each bucket's exchange waits for.
+    waits = {b: {op for op in _ancestors(v) if op.name.startswith("gradient_tape/")}
+             for b, v in scope.items()}
+    # Planned in reverse: bucket 0 is the last layer's bias, bucket 5 the first kernel
+    # (and its gradient a MatMul on both replicas) that bucket 0 does not wait for.
+    later = waits[5] - waits[0]
+    assert sum(op.type == "MatMul" for op in later) >= 2, sorted(op.name for op in later)
+    assert len(waits[0]) < len(waits[5])
 
 
 @pytest.mark.parametrize("kwargs,match", [

@@ -166,3 +166,17 @@ def keras_saveable_base() -> type:
     except ImportError:
         return object
     return KerasSaveable
+
+
+def xspace(path: str):
+    """The XSpace proto of a `*.xplane.pb` file written by `tf.profiler.experimental`."""
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2  # pylint: disable=import-outside-toplevel
+    space = xplane_pb2.XSpace()
+    with open(path, "rb") as f:
+        space.ParseFromString(f.read())
+    return space
+
+
+def function_graph(graph, name: str):
+    """The FuncGraph of function `name` called from `graph` (a branch of a Case op)."""
+    return graph._get_function(name).graph  # pylint: disable=protected-access

@@ -10,6 +10,10 @@ Suites (each a module of this package that defines its flags and `run()`):
                cross-device ops and ours, interleaved in one process, as ratios.
   accuracy     digits trained with stock ops and each compressor: final test accuracy,
                deltas, time-to-accuracy, bytes per step.
+  passes       bytes each mode's data path reads and writes per gradient byte, counted
+               from the traced graph (with and without measuring comm_error).
+  timeline     a tf.profiler trace of single_host's step: how much of each mode's bucket
+               exchanges runs before backpropagation ends; --timeline_png draws it.
 
 Results print as a markdown table; --json writes them to a file, --png draws the suite's
 `PLOT` as a bar chart (see figure.py; needs matplotlib: pip install 'tf_gradsync[bench]').
@@ -25,7 +29,8 @@ from absl import app, flags
 
 from tf_gradsync.bench import figure
 # Suite modules define their flags when imported.
-from tf_gradsync.bench import accuracy, cluster, micro, multiworker, single_host  # noqa: F401
+from tf_gradsync.bench import (accuracy, cluster, micro, multiworker, passes,  # noqa: F401
+                               single_host, timeline)
 
 #: Suite name -> module with `run() -> (rows, columns)`.
 SUITES = {
@@ -34,6 +39,8 @@ SUITES = {
     "cluster": "tf_gradsync.bench.cluster",
     "single_host": "tf_gradsync.bench.single_host",
     "accuracy": "tf_gradsync.bench.accuracy",
+    "timeline": "tf_gradsync.bench.timeline",
+    "passes": "tf_gradsync.bench.passes",
 }
 
 flags.DEFINE_list("compressors", None, "Compressor names (default: depends on the suite).")

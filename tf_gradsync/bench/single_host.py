@@ -8,7 +8,8 @@ Modes:
                  devices), so this differs from ReductionToOneDevice: `vs_default`.
   stock_hier     tf.distribute.HierarchicalCopyAllReduce.
   <compressor>   tf_gradsync.CompressedAllReduce(<compressor>), `--bucket_bytes` if given,
-                 defaults for the rest.
+                 defaults for the rest; a spec as `none:bucket_bytes=4194304` sets
+                 this mode's own (see `tf_gradsync.bench.ops_from_spec`).
 tf.distribute.NcclAllReduce needs GPUs and is not run.
 
 Every mode builds the same model (Dense layers on synthetic data) and a custom step in a
@@ -29,6 +30,7 @@ import tensorflow as tf
 from absl import flags
 
 import tf_gradsync as gs
+from tf_gradsync.bench import ops_from_spec
 
 flags.DEFINE_list("stock_ops", ["r1d", "default", "hier"],
                   "single_host: TensorFlow cross-device ops to time (r1d = ReductionToOneDevice, "
@@ -99,7 +101,7 @@ def measure(modes: Sequence[str], devices: Sequence[str], width: int, layers: in
     """Times every mode round-robin in this process.
 
     Args:
-      modes: `stock_<name>` for a key of `STOCK`, or a registered compressor name.
+      modes: `stock_<name>` for a key of `STOCK`, or a compressor spec (`ops_from_spec`).
       devices: the strategy's devices.
       width, layers: the model (see the flags).
       global_batch: global batch size (divisible by the number of devices).
@@ -127,7 +129,7 @@ def measure(modes: Sequence[str], devices: Sequence[str], width: int, layers: in
             ops = STOCK[name]()
         else:
             kwargs = {} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}
-            ops = ops_of[mode] = gs.CompressedAllReduce(mode, **kwargs)
+            ops = ops_of[mode] = ops_from_spec(mode, **kwargs)
         strategy = tf.distribute.MirroredStrategy(list(devices), cross_device_ops=ops)
         print(f"[bench] single_host build {mode}", file=sys.stderr, flush=True)
         runners[mode], model = make_step(strategy, width, layers, global_batch)
