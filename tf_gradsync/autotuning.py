@@ -198,8 +198,8 @@ def autotune(strategy: tf.distribute.Strategy, weights, *, compute: float | Call
       bucket_sizes: candidate `bucket_bytes`.
       probe_bytes: sizes of the probing all-reduces.
       calibrate_numel: elements each candidate compresses when timed.
-      overlap: see `costmodel.predict` (0: `CompressedAllReduce` gets every gradient at
-        once).
+      overlap: see `costmodel.predict` (0, the conservative default, assumes no
+        exchange hides behind backprop).
       install: make the strategy use the result.
       **ops_kwargs: further `CompressedAllReduce` arguments (e.g. `timeout_seconds`).
 

@@ -146,8 +146,9 @@ def predict(compressor: Compressor | str, payloads: Sequence[BucketPayload], exc
     step = compute + max(last bucket's exchange, codec + wire - overlap * compute):
     exchanges run one after another; with `overlap` > 0 they may start while
     backprop still runs (a share `overlap` of the compute), except the last bucket,
-    which is ready only when backprop ends. `CompressedAllReduce` receives every
-    gradient at once from Keras and TensorFlow optimizers, so its overlap is 0.
+    which is ready only when backprop ends. `CompressedAllReduce` gets every gradient
+    in one call, but each bucket's ops wait only for its own gradients, so several
+    buckets do overlap backprop; 0, the default, is the conservative prediction.
 
     Args:
       compressor: a name or instance (names the row; its payloads are `payloads`).

@@ -8,7 +8,7 @@ import tensorflow as tf
 
 from tf_gradsync import _tf_compat
 from tf_gradsync.compression import Compressor, ErrorFeedback, Guard, Warmup, get
-from tf_gradsync.config import check_settings
+from tf_gradsync.config import DEFAULT_BUCKET_BYTES, check_settings
 from tf_gradsync.pipeline import Pipeline, path_of
 from tf_gradsync.state import SyncState
 from tf_gradsync.stats import Stats
@@ -29,7 +29,8 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
       compression: a registered compressor name (see
         `tf_gradsync.compression.names()`) or a `Compressor` instance.
       bucket_bytes: largest bucket, in bytes of the input dtype; larger tensors get a
-        bucket of their own.
+        bucket of their own. 4 MiB by default, chosen from measurements (BENCHMARKS.md,
+        timeline): smaller buckets start exchanging earlier during backprop.
       algorithm: "auto", "ring", "tree" or "collective" (TF collective ops).
       error_feedback: wrap the compressor in `ErrorFeedback` (a residual per bucket and
         replica, in float32 for 16/32-bit input: 4 bytes per gradient element per
@@ -60,14 +61,15 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
         setting outside its range (the message names it and what is allowed).
 
     Example:
-      >>> ops = tf_gradsync.CompressedAllReduce("fp16", bucket_bytes=32 * 2**20)
+      >>> ops = tf_gradsync.CompressedAllReduce("fp16", bucket_bytes=4 * 2**20)
       >>> strategy = tf.distribute.MirroredStrategy(cross_device_ops=ops)
       >>> # ... model.fit(...) ...
       >>> ops.stats()["compression_ratio"]
       2.0
     """
 
-    def __init__(self, compression: str | Compressor = "none", *, bucket_bytes: int = 32 * 2**20,
+    def __init__(self, compression: str | Compressor = "none", *,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  algorithm: str = "auto", error_feedback: bool | None = None,
                  timeout_seconds: float | None = None, warmup_steps: int = 0,
                  measure_error: bool = True, exchange: str = "auto", guard: bool = False,

@@ -25,6 +25,8 @@ from typing import Sequence
 
 from absl import flags
 
+from tf_gradsync.config import DEFAULT_BUCKET_BYTES
+
 FLAGS = flags.FlagValues()
 flags.DEFINE_integer("params", None, "Model size in weights (one square Dense layer).",
                      flag_values=FLAGS)
@@ -42,7 +44,7 @@ flags.DEFINE_bool("calibrate", False, "Measure compressor throughput (and comput
                   flag_values=FLAGS)
 flags.DEFINE_integer("batch", 32, "Examples per worker and step, for --calibrate.",
                      flag_values=FLAGS)
-flags.DEFINE_integer("bucket_bytes", 32 * 2**20, "CompressedAllReduce's bucket_bytes.",
+flags.DEFINE_integer("bucket_bytes", DEFAULT_BUCKET_BYTES, "CompressedAllReduce's bucket_bytes.",
                      flag_values=FLAGS)
 flags.DEFINE_float("overlap", 0.0, "Share of compute exchanges hide behind, in [0, 1].",
                    flag_values=FLAGS)
@@ -152,7 +154,7 @@ def calibrate_throughput(specs: Sequence[str], numel: int = CALIBRATE_NUMEL) -> 
 
 
 def plan(specs, compressors: Sequence[str], workers: Sequence[int], bandwidths: Sequence[str],
-         compute_s: float, latency_s: float = 50e-6, bucket_bytes: int = 32 * 2**20,
+         compute_s: float, latency_s: float = 50e-6, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
          overlap: float = 0.0, throughput: dict[str, float] | None = None) -> list[dict]:
     """One row per (workers, bandwidth, compressor, exchange), as in `COLUMNS`.
 
