@@ -252,15 +252,10 @@ def _ancestors(ops):
     seen, todo = set(), list(ops)
     while todo:
         op = todo.pop()
-        for t in list(op.inputs) + [c.outputs[0] if c.outputs else None for c in op.control_inputs]:
-            src = t.op if t is not None else None
-            if src is not None and src not in seen:
+        for src in [t.op for t in op.inputs] + list(op.control_inputs):
+            if src not in seen:
                 seen.add(src)
                 todo.append(src)
-        for c in op.control_inputs:
-            if c not in seen:
-                seen.add(c)
-                todo.append(c)
     return seen
 
 

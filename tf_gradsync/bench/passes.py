@@ -69,12 +69,10 @@ def touched(graph, scope_only: bool = True) -> tuple[int, int, int]:
         if scope_only and f"{SCOPE}/" not in op.name:
             continue
         if op.type in _BRANCHING:
-            attr = "branches" if "Case" in op.type else None
-            bodies = ([b.name for b in op.get_attr(attr)] if attr else
+            bodies = ([b.name for b in op.get_attr("branches")] if "Case" in op.type else
                       [op.get_attr("then_branch").name, op.get_attr("else_branch").name])
-            counts = [touched(_tf_compat.function_graph(graph, b), scope_only=False)
-                      for b in bodies]
-            best = max(counts)
+            best = max(touched(_tf_compat.function_graph(graph, b), scope_only=False)
+                       for b in bodies)
             total, packing, unknown = total + best[0], packing + best[1], unknown + best[2]
             continue
         if op.type in FREE:

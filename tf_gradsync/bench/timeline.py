@@ -36,6 +36,7 @@ from absl import flags
 import tf_gradsync as gs
 from tf_gradsync import _tf_compat
 from tf_gradsync.bench import ops_from_spec, single_host
+from tf_gradsync.pipeline import SCOPE
 
 flags.DEFINE_integer("timeline_steps", 5, "timeline: profiled steps per mode.")
 flags.DEFINE_integer("timeline_replicas", 2, "timeline: logical CPU devices (replicas); one per "
@@ -49,7 +50,7 @@ PLOT = ("mode", "hidden_share", "share of exchange time before backprop ends")
 #: Rows of the timeline figure, top to bottom (buckets are inserted after backward).
 KINDS = ("forward", "backward", "update")
 
-_BUCKET = re.compile(r"gradsync/bucket_(\d+)/")
+_BUCKET = re.compile(rf"{SCOPE}/bucket_(\d+)/")
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -69,7 +70,7 @@ def kind_of(name: str) -> str | None:
     m = _BUCKET.search(name)
     if m:
         return f"bucket {m.group(1)}"
-    if "gradsync/" in name:                  # packing of all buckets, unpacking
+    if f"{SCOPE}/" in name:                  # packing of all buckets, unpacking
         return "pack/unpack"
     if name.startswith("gradient_tape/"):
         return "backward"

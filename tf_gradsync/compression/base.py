@@ -148,18 +148,20 @@ class Context:
         seed = tf.convert_to_tensor(self.seed, tf.int64)
         return seed + tf.constant([0, (self.replica + 1) * 0x9E3779B1], tf.int64)
 
-    def record_error(self, x: tf.Tensor, approx: tf.Tensor) -> None:
+    def record_error(self, x: tf.Tensor, approx: tf.Tensor | None) -> None:
         """Records ||x - approx||^2 and ||x||^2 (x: what was compressed, approx: what
-        this replica's payload decodes to) when errors are measured."""
+        this replica's payload decodes to, None when x was sent exactly) when errors
+        are measured."""
         if self.errors is None:
             return
         wd = tf.float64 if x.dtype == tf.float64 else tf.float32
-        x, approx = tf.cast(x, wd), tf.cast(approx, wd)
+        x = tf.cast(x, wd)
         # Fused forms: one pass for the difference and its square, a dot product (no
         # squared copy of the bucket) for the norm.
         flat = tf.reshape(x, [-1])
-        self.errors.append((tf.reduce_sum(tf.math.squared_difference(x, approx)),
-                            tf.tensordot(flat, flat, 1)))
+        err = (tf.zeros([], wd) if approx is None else
+               tf.reduce_sum(tf.math.squared_difference(x, tf.cast(approx, wd))))
+        self.errors.append((err, tf.tensordot(flat, flat, 1)))
 
 
 @dataclasses.dataclass(frozen=True)
