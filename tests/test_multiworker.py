@@ -1,12 +1,14 @@
 """Multi-worker training on localhost: worker processes started by tf_gradsync.launch."""
 
 import glob
+import json
 import subprocess
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
+import tf_gradsync as gs
 import multiworker_digits  # examples/multiworker_digits.py
 import train_digits
 from _multiworker import PARAMS, assert_same_weights, launch, results
@@ -109,3 +111,42 @@ def test_dead_worker_fails_the_job_in_bounded_time(tmp_path):
     assert not glob.glob(str(out / "result_*.json"))
     left = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True).stdout
     assert left.strip() == "", f"orphan workers: {left}"
+
+
+#: Summed (hierarchical: shards between workers), gathered, and two-phase payloads;
+#: PowerSGD sums two rounds.
+HIERARCHICAL_MODES = ("fp16:auto", "powersgd:auto", "sign:gather", "sign:two_phase",
+                      "topk:two_phase")
+
+
+@pytest.mark.slow
+def test_two_workers_of_two_devices_match_four_devices_of_one_process(tmp_path, devices):
+    """With several devices per worker, every exchange (hierarchical sums, gathers, two
+    phases) computes what the same four replicas compute in one process; between workers
+    the hierarchical sum sends each worker's shards, not a second full payload."""
+    import _hierarchical
+    from _multiworker import run_launcher
+    steps = 3
+    proc, _ = run_launcher(_hierarchical.__file__, 2, f"--out={tmp_path}",
+                           f"--modes={','.join(HIERARCHICAL_MODES)}", f"--steps={steps}",
+                           timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    workers = [json.loads((tmp_path / f"worker_{r}.json").read_text()) for r in range(2)]
+    for mode in HIERARCHICAL_MODES:
+        name, exchange = mode.split(":")
+        ops = gs.CompressedAllReduce(name, exchange=exchange)
+        fn = _hierarchical.reduce_fn(ops, devices)
+        for step in range(steps):
+            want = fn([_hierarchical.values(m, step) for m in range(4)])
+            for rank, run in enumerate(workers):
+                for v, per_device in enumerate(run[mode]["results"][step]):
+                    for i, got in enumerate(per_device):
+                        # fp16 partial sums are rounded in another order across workers.
+                        tol = 2e-3 if name == "fp16" else 1e-5
+                        np.testing.assert_allclose(
+                            np.array(got), want[v][rank * 2 + i].numpy(), rtol=tol, atol=tol,
+                            err_msg=f"{mode} step {step} value {v} worker {rank} device {i}")
+        sent = [run[mode]["bytes"] for run in workers]
+        ref = ops.stats()["last_bytes_sent"]
+        # Across workers, payloads of different shapes travel padded to whole words.
+        assert all(ref <= s <= 1.1 * ref for s in sent), (mode, sent, ref)

@@ -7,7 +7,7 @@ from typing import Sequence
 import tensorflow as tf
 
 from tf_gradsync import _tf_compat
-from tf_gradsync.compression import Compressor, ErrorFeedback, Guard, Warmup, get
+from tf_gradsync.compression import Compressor, Guard, Warmup, get, with_error_feedback
 from tf_gradsync.config import DEFAULT_BUCKET_BYTES, check_settings
 from tf_gradsync.pipeline import Pipeline, path_of
 from tf_gradsync.state import SyncState
@@ -81,7 +81,7 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
         check_settings(error_feedback=error_feedback, bucket_bytes=bucket_bytes,
                        algorithm=algorithm, exchange=exchange, timeout_seconds=timeout_seconds,
                        warmup_steps=warmup_steps, measure_error=measure_error, guard=guard)
-        self._compressor = _with_error_feedback(get(compression), error_feedback)
+        self._compressor = with_error_feedback(get(compression), error_feedback)
         if guard and self._compressor.accuracy != "lossless":
             self._compressor = Guard(self._compressor)
         if warmup_steps:
@@ -253,15 +253,3 @@ def _cast_slices(slices, dtype: tf.DType) -> list:
         with tf.device(s.values.device):
             out.append(tf.IndexedSlices(tf.cast(s.values, dtype), s.indices, s.dense_shape))
     return out
-
-
-def _with_error_feedback(compressor: Compressor, error_feedback: bool | None) -> Compressor:
-    if isinstance(compressor, ErrorFeedback) or error_feedback is False:
-        return compressor
-    if error_feedback and compressor.has_own_memory:
-        raise ValueError(f"{compressor!r} keeps its own error memory; leave error_feedback unset")
-    if error_feedback is None:
-        error_feedback = compressor.default_error_feedback
-        if error_feedback is None:
-            error_feedback = not compressor.unbiased and not compressor.has_own_memory
-    return ErrorFeedback(compressor) if error_feedback else compressor

@@ -23,8 +23,7 @@ from tf_gradsync.algorithms import Wire
 from tf_gradsync.bucketing import Bucket, BucketPlan, plan_buckets
 from tf_gradsync.compression import (SCATTER, Compressor, Context, Message, NoCompression,
                                      driver, two_phase)
-from tf_gradsync.compression import SUM as SUMMED
-from tf_gradsync.compression.base import replica_id
+from tf_gradsync.compression.base import nbytes, replica_id
 from tf_gradsync.state import SyncState
 from tf_gradsync.stats import Stats
 
@@ -190,8 +189,8 @@ class Pipeline:
     def _bucket(self, compressor: Compressor, reduce_op, plan: BucketPlan, bucket: Bucket,
                 xs: list[tf.Tensor], src: tuple[str, ...], step: tf.Tensor,
                 timeout: float) -> driver.Outcome:
-        n = len(src) * self.num_workers
-        members = [self.worker_index * len(src) + r for r in range(len(src))]
+        group = algorithms.Group(src, self.num_workers, self.worker_index, timeout)
+        n = group.size
         seed = tf.stack([tf.cast(step, tf.int64),
                          tf.constant(int(plan.fingerprint, 16) + bucket.id, tf.int64)])
         layout = bucket.layout
@@ -199,14 +198,20 @@ class Pipeline:
         ctxs = []
         for r, d in enumerate(src):
             compressor.check_input(xs[r])
-            chunks = two_phase.split(layout, n, members[r]) if two else None
+            chunks = two_phase.split(layout, n, group.members[r]) if two else None
             ctxs.append(Context(state=self._state_for(compressor, plan, bucket, r, d, chunks),
                                 step=step, seed=seed, num_replicas=n, replica=replica_id(d),
                                 layout=layout, chunks=chunks))
 
         def exchange(messages: Sequence[Message]):
-            wire = Wire()
-            return self._exchange(messages, src, members, wire, timeout), wire.static
+            first, wire = messages[0], Wire()
+            payload_bytes = 0 if first.transport == SCATTER else nbytes(first.payload)
+            ex = algorithms.for_round(first.transport, first.like, group, self.algorithm,
+                                      payload_bytes)
+            with tf.name_scope(ex.name):
+                got = ex([m.payload for m in messages], first.transport, group, wire,
+                         like=first.like)
+            return got, wire.static
 
         with tf.name_scope("rounds"):
             return driver.run(compressor, xs, ctxs, exchange, mean=reduce_op == MEAN,
@@ -223,64 +228,6 @@ class Pipeline:
         if key not in self._sizes:
             self._sizes[key] = two_phase.payload_bytes(compressor, bucket.layout, members)
         return algorithms.choose_exchange("auto", members, *self._sizes[key]) == "two_phase"
-
-    def _exchange(self, messages: Sequence[Message], devices: tuple[str, ...],
-                  members: list[int], wire: Wire, timeout: float) -> list:
-        """Moves one round's messages; returns what each local replica receives."""
-        first = messages[0]
-        size = len(devices) * self.num_workers
-        role = ("all", len(devices), self.num_workers)
-        if first.transport == SCATTER:
-            with tf.name_scope("all_to_all"):
-                return algorithms.pairwise.all_to_all([m.payload for m in messages], devices,
-                                                      members, size, wire, timeout)
-        if first.like is not None:
-            with tf.name_scope("gather"):
-                return algorithms.pairwise.gather_ragged(
-                    [m.payload for m in messages], first.like, devices, members, size, wire,
-                    timeout, role=role)
-        payloads = [list(m.payload) for m in messages]
-        summable = first.transport == SUMMED
-        if self.num_workers > 1:
-            got = self._exchange_across_workers(payloads, devices, summable, wire, timeout)
-        else:
-            got = self._exchange_local(payloads, devices, summable, wire, timeout,
-                                       self.algorithm)
-        return ([tuple(p) for p in got] if summable
-                else [[tuple(p) for p in parts] for parts in got])
-
-    @staticmethod
-    def _exchange_local(payloads, devices, summable, wire, timeout, algorithm):
-        """Among the devices of this process; `algorithm` may be "auto"."""
-        n = len(devices)
-        if n == 1:
-            return [payloads[0]] if summable else [[payloads[0]]]
-        size = sum(t.shape.num_elements() * t.dtype.size for t in payloads[0])
-        algo = algorithms.choose(algorithm, size, n)
-        kwargs = {"timeout": timeout} if algo is algorithms.collective else {}
-        with tf.name_scope(algo.__name__.rsplit(".", 1)[-1]):
-            if summable:
-                return algo.all_reduce(payloads, devices, wire, **kwargs)
-            return algo.all_gather(payloads, devices, wire, **kwargs)
-
-    def _exchange_across_workers(self, payloads, devices, summable, wire, timeout):
-        """Hierarchical for summable payloads: reduce among local devices, one compressed
-        exchange between workers' first devices, then a local broadcast. Gathered payloads
-        go through one all-gather over every device of every worker."""
-        n, workers = len(devices), self.num_workers
-        if not summable:
-            with tf.name_scope("collective"):
-                return algorithms.collective.all_gather(
-                    payloads, devices, wire, group_size=n * workers, timeout=timeout,
-                    role=("all", n, workers))
-        # The local stage uses in-process transfers; collectives are for the workers.
-        local_algorithm = "auto" if self.algorithm == "collective" else self.algorithm
-        local = self._exchange_local(payloads, devices, True, wire, timeout, local_algorithm)
-        with tf.name_scope("collective"):
-            (leader,) = algorithms.collective.all_reduce(
-                [local[0]], devices[:1], wire, group_size=workers, timeout=timeout,
-                role=("leaders", workers))
-        return [leader] + [[wire.send(t, d) for t in leader] for d in devices[1:]]
 
     def _state_for(self, compressor: Compressor, plan: BucketPlan, bucket: Bucket,
                    replica: int, device: str,

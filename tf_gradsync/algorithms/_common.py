@@ -1,10 +1,15 @@
-"""Helpers shared by the communication algorithms."""
+"""What the exchanges share: the `Exchange` signature, the `Group` it serves, the `Wire`
+that counts bytes, and word packing."""
 
 from __future__ import annotations
 
-from typing import Sequence
+import abc
+import dataclasses
+from typing import ClassVar, Sequence
 
 import tensorflow as tf
+
+from tf_gradsync.compression.base import GATHER, SCATTER, SUM
 
 # Per device, a list of payload tensors (one entry per payload tensor of a bucket).
 DevicePayloads = Sequence[Sequence[tf.Tensor]]
@@ -43,6 +48,111 @@ class Wire:
     def total(self) -> tf.Tensor:
         """All bytes sent so far (int64 scalar)."""
         return tf.add_n([tf.constant(self.static, tf.int64), *self._dynamic])
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """The members of one reduction, as one process sees them.
+
+    Members are numbered as TensorFlow numbers collective members: by worker, then by
+    device, so this process's devices are members `worker * len(devices) + i`.
+
+    Attributes:
+      devices: this process's devices, one member each.
+      workers: processes taking part, each with as many devices.
+      worker: this process's index among them.
+      timeout: seconds before a collective with a missing peer fails (0: never).
+    """
+
+    devices: tuple[str, ...]
+    workers: int = 1
+    worker: int = 0
+    timeout: float = 0
+
+    @property
+    def size(self) -> int:
+        """Members across all workers."""
+        return len(self.devices) * self.workers
+
+    @property
+    def members(self) -> tuple[int, ...]:
+        """Each local device's index among all members."""
+        n = len(self.devices)
+        return tuple(self.worker * n + i for i in range(n))
+
+
+class Exchange(abc.ABC):
+    """Moves one round's payloads among the members of a `Group`. Stateless.
+
+    Every exchange has the one signature `exchange(payloads, transport, group, wire,
+    like=None)`; subclasses implement the transports they can move (`_sum`, `_gather`,
+    `_scatter`) and list them in `transports`.
+
+    Example:
+      >>> got = Ring()([(a,), (b,)], SUM, Group(("/cpu:0", "/cpu:1")), Wire())
+      >>> got[1][0]   # a + b, on /cpu:1
+    """
+
+    name: ClassVar[str]
+    transports: ClassVar[tuple[str, ...]] = (SUM, GATHER)
+
+    def __call__(self, payloads: Sequence, transport: str, group: Group, wire: Wire,
+                 like: Sequence[Sequence[tf.TensorSpec]] | None = None) -> list:
+        """Moves the payloads.
+
+        Args:
+          payloads: per local device, its payload (a tuple of tensors of static
+            shapes); for SCATTER, a tuple of `group.size` payloads, the j-th for member j.
+          transport: SUM, GATHER or SCATTER (see `tf_gradsync.compression.Message`).
+          group: who takes part.
+          wire: counts every byte sent.
+          like: for a GATHER whose payloads differ by member, each member's specs.
+
+        Returns:
+          Per local device: for SUM, the summed payload; for GATHER, every member's
+          payload in member order; for SCATTER, the parts addressed to it, in member
+          order. Tensors are tuples, placed on that device.
+
+        Raises:
+          ValueError: for a transport this exchange does not move.
+        """
+        if transport not in self.transports:
+            raise ValueError(f"the {self.name} exchange moves {', '.join(self.transports)} "
+                             f"payloads, not {transport!r}")
+        if transport == SCATTER:
+            payloads = [tuple(tuple(part) for part in p) for p in payloads]
+        else:
+            payloads = [tuple(p) for p in payloads]
+        if group.size == 1:
+            (own,) = payloads
+            return [own] if transport == SUM else [[own[0] if transport == SCATTER else own]]
+        if transport == SUM:
+            return [tuple(p) for p in self._sum(payloads, group, wire)]
+        if transport == SCATTER:
+            return [[tuple(p) for p in parts] for parts in self._scatter(payloads, group, wire)]
+        return [[tuple(p) for p in parts] for parts in self._gather(payloads, group, wire, like)]
+
+    def _sum(self, payloads, group: Group, wire: Wire) -> list:
+        raise NotImplementedError
+
+    def _gather(self, payloads, group: Group, wire: Wire, like) -> list:
+        raise NotImplementedError
+
+    def _scatter(self, payloads, group: Group, wire: Wire) -> list:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+class InProcess(Exchange):
+    """An exchange among the devices of one process (copies between devices)."""
+
+    def __call__(self, payloads, transport, group, wire, like=None):
+        if group.workers > 1:
+            raise ValueError(f"the {self.name} exchange runs among the devices of one "
+                             f"process; {group.workers} workers need a collective one")
+        return super().__call__(payloads, transport, group, wire, like)
 
 
 def accumulate(a: tf.Tensor, b: tf.Tensor) -> tf.Tensor:

@@ -17,8 +17,8 @@ from typing import Hashable, Sequence
 import tensorflow as tf
 
 from tf_gradsync import _tf_compat
-from tf_gradsync.algorithms._common import (DevicePayloads, Wire, in_graph, pack_words,
-                                             unpack_words)
+from tf_gradsync.algorithms._common import (DevicePayloads, Exchange, Group, Wire, in_graph,
+                                             pack_words, unpack_words)
 
 # Far above the group keys TensorFlow's own CollectiveAllReduce allocates from 1, so
 # both can live in one process without sharing a key for different device groups.
@@ -60,6 +60,27 @@ def next_instance_key() -> int:
     """
     with _lock:
         return next(_instance_keys)
+
+
+class Collective(Exchange):
+    """TensorFlow's collective ops over every member of the group, in this process and
+    across workers (one flat group)."""
+
+    name = "collective"
+
+    def _sum(self, payloads, group, wire):
+        return all_reduce(payloads, group.devices, wire, group_size=group.size,
+                          timeout=group.timeout, role=everyone(group))
+
+    def _gather(self, payloads, group, wire, like):
+        return all_gather(payloads, group.devices, wire, group_size=group.size,
+                          timeout=group.timeout, role=everyone(group))
+
+
+def everyone(group: Group) -> Hashable:
+    """The role of a group of all members: across workers it names the group's shape,
+    so every worker derives the same key; in one process the devices name it."""
+    return None if group.workers == 1 else ("all", len(group.devices), group.workers)
 
 
 def all_reduce(payloads: DevicePayloads, devices: Sequence[str], wire: Wire,

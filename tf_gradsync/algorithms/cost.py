@@ -81,7 +81,9 @@ def exchange_seconds(kind: str, workers: int, payload_bytes: float, link: Link =
       gather:     N-1 messages, (N-1) P bytes;
       two_phase:  2(N-1) messages, (N-1)/N (P + S) bytes, S the re-compressed chunks;
       hierarchical: a ring among the `local` devices of each worker on `local_link`
-        (reduce, then broadcast), and a ring of the full payload among N workers.
+        (reduce-scatter, then all-gather), and between them each device's ring of its
+        P/L shard among N workers, L rings sharing the worker's link: on it, one ring
+        of the full payload.
 
     Args:
       kind: one of `KINDS`.

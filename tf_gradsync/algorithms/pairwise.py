@@ -23,9 +23,30 @@ import tensorflow as tf
 
 from tf_gradsync import _tf_compat
 from tf_gradsync.algorithms import collective
-from tf_gradsync.algorithms._common import Wire, in_graph, pack_words, unpack_words, words_of
+from tf_gradsync.algorithms._common import (Exchange, Wire, in_graph, pack_words,
+                                             unpack_words, words_of)
+from tf_gradsync.compression.base import GATHER, SCATTER
 
 Specs = Sequence[tf.TensorSpec]
+
+
+class TwoPhase(Exchange):
+    """The two transports of a two-phase exchange (`tf_gradsync.compression.two_phase`):
+    the all-to-all of chunks to their owners, and the all-gather of the re-compressed
+    chunks, whose payloads differ by member."""
+
+    name = "two_phase"
+    transports = (SCATTER, GATHER)
+
+    def _scatter(self, payloads, group, wire):
+        return all_to_all(payloads, group.devices, group.members, group.size, wire,
+                          group.timeout)
+
+    def _gather(self, payloads, group, wire, like):
+        if like is None:
+            like = [_specs(payloads[0])] * group.size
+        return gather_ragged(payloads, like, group.devices, group.members, group.size, wire,
+                             group.timeout, role=collective.everyone(group))
 
 
 def tournament(members: int) -> list[list[tuple[int, int]]]:

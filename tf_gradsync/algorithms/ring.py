@@ -13,20 +13,39 @@ References:
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import tensorflow as tf
 
-from tf_gradsync.algorithms._common import DevicePayloads, Wire, accumulate, check_static, even_sizes
+from tf_gradsync.algorithms._common import (DevicePayloads, InProcess, Wire, accumulate,
+                                             check_static, even_sizes)
 
 
-def all_reduce(payloads: DevicePayloads, devices: Sequence[str], wire: Wire) -> list[list[tf.Tensor]]:
+class Ring(InProcess):
+    """Ring all-reduce and ring all-gather among the devices of one process."""
+
+    name = "ring"
+
+    def _sum(self, payloads, group, wire):
+        return all_reduce(payloads, group.devices, wire)
+
+    def _gather(self, payloads, group, wire, like):
+        return all_gather(payloads, group.devices, wire)
+
+
+def all_reduce(payloads: DevicePayloads, devices: Sequence[str], wire: Wire,
+               between: Callable[[list[tf.Tensor]], list[tf.Tensor]] | None = None,
+               ) -> list[list[tf.Tensor]]:
     """Sums each payload tensor over devices; every device gets the sum.
 
     Args:
       payloads: per device, the payload tensors (same shapes and dtypes everywhere).
       devices: the device of each entry of `payloads`.
       wire: records what crosses a device boundary.
+      between: called once the reduce-scatter is done, per payload tensor, with each
+        device's fully reduced chunk (device i holds chunk i+1); what it returns is
+        all-gathered instead. The hierarchical exchange sums the chunks across workers
+        there.
 
     Returns:
       Per device, the summed payload tensors, placed on that device.
@@ -45,6 +64,10 @@ def all_reduce(payloads: DevicePayloads, devices: Sequence[str], wire: Wire) -> 
                 c, dst = (i - step) % n, (i + 1) % n
                 chunks[dst][c] = _add_on(devices[dst], wire.send(chunks[i][c], devices[dst]),
                                          chunks[dst][c])
+        if between is not None:
+            owned = between([chunks[i][(i + 1) % n] for i in range(n)])
+            for i in range(n):
+                chunks[i][(i + 1) % n] = owned[i]
         for step in range(n - 1):          # all-gather: device i owns chunk i+1
             for i in range(n):
                 c, dst = (i + 1 - step) % n, (i + 1) % n

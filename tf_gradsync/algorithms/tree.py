@@ -16,7 +16,21 @@ from typing import Sequence
 
 import tensorflow as tf
 
-from tf_gradsync.algorithms._common import DevicePayloads, Wire, accumulate, check_static, even_sizes
+from tf_gradsync.algorithms._common import (DevicePayloads, InProcess, Wire, accumulate,
+                                             check_static, even_sizes)
+
+
+class Tree(InProcess):
+    """Halving-doubling all-reduce and a direct all-gather among the devices of one
+    process: for small, latency-bound payloads."""
+
+    name = "tree"
+
+    def _sum(self, payloads, group, wire):
+        return all_reduce(payloads, group.devices, wire)
+
+    def _gather(self, payloads, group, wire, like):
+        return all_gather(payloads, group.devices, wire)
 
 
 def all_reduce(payloads: DevicePayloads, devices: Sequence[str], wire: Wire) -> list[list[tf.Tensor]]:

@@ -8,7 +8,7 @@ from tf_gradsync.compression.none import NoCompression
 from tf_gradsync.compression.adaptive import Adaptive
 from tf_gradsync.compression.cast import BFloat16, Float16
 from tf_gradsync.compression.dgc import DGC
-from tf_gradsync.compression.error_feedback import ErrorFeedback
+from tf_gradsync.compression.error_feedback import ErrorFeedback, with_error_feedback
 from tf_gradsync.compression.guard import Guard
 from tf_gradsync.compression.int8 import Int8
 from tf_gradsync.compression.onebit import OneBit
@@ -25,5 +25,5 @@ __all__ = [
     "Adaptive", "BFloat16", "Compressor", "Context", "DGC", "ErrorFeedback", "Float16", "GATHER",
     "Guard", "Int8", "Layout", "Message", "NoCompression", "OneBit", "PowerSGD", "QSGD", "RandomK",
     "SCATTER", "SUM", "Sign", "StateSpec", "TernGrad", "Threshold", "TopK", "Warmup", "Wrapper",
-    "driver", "get", "names", "nbytes", "register", "two_phase",
+    "driver", "get", "names", "nbytes", "register", "two_phase", "with_error_feedback",
 ]

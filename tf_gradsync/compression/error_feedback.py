@@ -87,3 +87,26 @@ class ErrorFeedback(Wrapper):
 
     def observe(self, reduced: tf.Tensor, ctx: Context) -> None:
         self.inner.observe(reduced, self._inner_ctx(ctx))
+
+
+def with_error_feedback(compressor: Compressor, enabled: bool | None) -> Compressor:
+    """`compressor` wrapped in `ErrorFeedback` when asked, or by default when it is
+    biased and keeps no memory of its own (or says otherwise with
+    `default_error_feedback`); an `ErrorFeedback` is returned as it is.
+
+    Args:
+      compressor: a registered compressor.
+      enabled: True, False, or None for the compressor's default.
+
+    Raises:
+      ValueError: when asked to wrap a compressor that keeps its own memory.
+    """
+    if isinstance(compressor, ErrorFeedback) or enabled is False:
+        return compressor
+    if enabled and compressor.has_own_memory:
+        raise ValueError(f"{compressor!r} keeps its own error memory; leave error_feedback unset")
+    if enabled is None:
+        enabled = compressor.default_error_feedback
+        if enabled is None:
+            enabled = not compressor.unbiased and not compressor.has_own_memory
+    return ErrorFeedback(compressor) if enabled else compressor

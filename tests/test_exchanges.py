@@ -1,0 +1,130 @@
+"""One battery over every exchange object: the same signature, the same results as
+numpy, every byte that crosses a device counted, clear errors for what an exchange
+does not move."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tf_gradsync import algorithms
+from tf_gradsync.algorithms import Group, Wire
+from tf_gradsync.compression import GATHER, SCATTER, SUM
+
+EXCHANGES = {**algorithms.ALGORITHMS, "hierarchical": algorithms.HIERARCHICAL,
+             "two_phase": algorithms.TWO_PHASE}
+SPECS = (((5, 3), np.float32), ((7,), np.float16), ((2,), np.int32))
+
+
+def _payloads(members, devices, seed=0):
+    rng = np.random.default_rng(seed)
+    arrays = [[(rng.standard_normal(s) * 4).astype(d) for s, d in SPECS] for _ in members]
+    tensors = []
+    for a, d in zip(arrays, devices):
+        with tf.device(d):
+            tensors.append(tuple(tf.constant(x) for x in a))
+    return arrays, tensors
+
+
+def _on(placed: str, device: str) -> bool:
+    a, b = tf.DeviceSpec.from_string(placed), tf.DeviceSpec.from_string(device)
+    return (a.device_type, a.device_index) == (b.device_type, b.device_index)
+
+
+def _bytes(arrays):
+    return sum(x.nbytes for x in arrays)
+
+
+def _run(ex, transport, group, arrays, parts=None):
+    """Runs the exchange in a graph, as the pipeline does; returns what each device
+    received (numpy), the devices the results were placed on, and the bytes counted."""
+    wire, placed = Wire(), []
+
+    @tf.function
+    def fn():
+        sent = []
+        for i, d in enumerate(group.devices):   # every member builds its payloads itself
+            with tf.device(d):
+                if parts is None:
+                    sent.append(tuple(tf.constant(x) for x in arrays[i]))
+                else:
+                    sent.append(tuple(tuple(tf.constant(x) for x in arrays[k]) for k in parts[i]))
+        got = ex(sent, transport, group, wire)
+        placed.extend(tf.nest.map_structure(lambda t: t.device, got))
+        return got
+
+    got = tf.nest.map_structure(lambda t: t.numpy(), fn())
+    return got, placed, wire.static
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("name", sorted(EXCHANGES))
+def test_every_exchange_sums_and_gathers_like_numpy(devices, name, n):
+    ex = EXCHANGES[name]
+    group = Group(tuple(devices[:n]))
+    rng = np.random.default_rng(n)
+    arrays = [[(rng.standard_normal(s) * 4).astype(d) for s, d in SPECS] for _ in range(n)]
+    per_member = _bytes(arrays[0])
+    for transport in ex.transports:
+        # SCATTER: member i sends member j the payload arrays[(i + j) % n].
+        parts = [[(i + j) % n for j in range(n)] for i in range(n)] \
+            if transport == SCATTER else None
+        got, placed, sent = _run(ex, transport, group, arrays, parts)
+        assert len(got) == n
+        for i, d in enumerate(group.devices):
+            assert all(_on(p, d) for p in tf.nest.flatten(placed[i])), (name, transport)
+            if transport == SUM:
+                for x, *ys in zip(got[i], *arrays):
+                    want = np.sum([y.astype(np.float64) for y in ys], 0)
+                    # Each partial sum may be rounded to the payload's dtype.
+                    eps = np.finfo(x.dtype).eps if x.dtype.kind == "f" else 0
+                    atol = n * eps * np.abs(ys).sum(0).max()
+                    np.testing.assert_allclose(x.astype(np.float64), want, rtol=0, atol=atol)
+                continue
+            assert len(got[i]) == n
+            for j in range(n):   # GATHER: member j's payload; SCATTER: member j's part i
+                for x, y in zip(got[i][j], arrays[(i + j) % n if parts else j]):
+                    np.testing.assert_array_equal(x, y)
+        # A bandwidth-optimal sum sends about 2(N-1)/N of a payload per member (exactly
+        # when chunks divide evenly), a gather N-1 payloads, a scatter N-1 parts.
+        if transport == SUM:
+            assert sent == pytest.approx(2 * (n - 1) * per_member, rel=0.25), name
+        else:
+            assert sent == (n - 1) * n * per_member
+
+
+@pytest.mark.parametrize("name", sorted(EXCHANGES))
+def test_one_member_gets_its_own_payload(devices, name):
+    ex = EXCHANGES[name]
+    arrays, payloads = _payloads([0], devices[:1])
+    wire = Wire()
+    for transport in ex.transports:
+        sent = [(payloads[0],)] if transport == SCATTER else payloads
+        got = ex(sent, transport, Group(tuple(devices[:1])), wire)
+        own = got[0] if transport == SUM else got[0][0]
+        for x, y in zip(own, arrays[0]):
+            np.testing.assert_array_equal(x.numpy(), y)
+    assert wire.static == 0
+
+
+def test_errors_name_the_exchange_and_what_it_moves(devices):
+    group = Group(tuple(devices[:2]))
+    _, payloads = _payloads(range(2), group.devices)
+    with pytest.raises(ValueError, match="the ring exchange moves sum, gather payloads, not 'scatter'"):
+        algorithms.ALGORITHMS["ring"](payloads, SCATTER, group, Wire())
+    with pytest.raises(ValueError, match="two_phase exchange moves scatter, gather payloads, not 'sum'"):
+        algorithms.TWO_PHASE(payloads, SUM, group, Wire())
+    with pytest.raises(ValueError, match="one process; 2 workers need a collective one"):
+        algorithms.ALGORITHMS["tree"](payloads, SUM, Group(group.devices, workers=2), Wire())
+
+
+def test_for_round_picks_by_transport_workers_and_size(devices):
+    one = Group(tuple(devices))
+    two = Group(tuple(devices[:2]), workers=2, worker=1)
+    assert two.size == 4 and two.members == (2, 3)
+    assert algorithms.for_round(SCATTER, None, one, "auto", 10) is algorithms.TWO_PHASE
+    assert algorithms.for_round(GATHER, ((),) * 4, one, "ring", 10) is algorithms.TWO_PHASE
+    assert algorithms.for_round(SUM, None, two, "ring", 10) is algorithms.HIERARCHICAL
+    assert algorithms.for_round(GATHER, None, two, "ring", 10).name == "collective"
+    assert algorithms.for_round(SUM, None, one, "auto", 10).name == "tree"
+    assert algorithms.for_round(SUM, None, one, "auto", 10 << 20).name == "ring"
+    assert algorithms.for_round(SUM, None, one, "collective", 10).name == "collective"
