@@ -135,14 +135,15 @@ def test_accuracy_tiny_run(devices):
 
 
 # resnet50 (a 25M-weight graph, 40 s here) runs in the cluster benchmark instead.
-@pytest.mark.parametrize("name", ["dense", "transformer"])
+@pytest.mark.parametrize("name", ["dense", "mlp", "transformer"])
 def test_bench_models_train_a_step_through_the_ops(devices, name):
     import tensorflow as tf
     import tf_gradsync as gs
     from tf_gradsync.bench import models
     ops = gs.CompressedAllReduce("fp16")
     strategy = tf.distribute.MirroredStrategy(devices[:2], cross_device_ops=ops)
-    sizes = {"dense": {"params": 400}, "transformer": {"seq_len": 8, "vocab": 50},
+    sizes = {"dense": {"params": 400}, "mlp": {"params": 400},
+             "transformer": {"seq_len": 8, "vocab": 50},
              "resnet50": {"image_size": 32}}
     with strategy.scope():
         work = models.build(name, 2, **sizes[name])
@@ -153,7 +154,10 @@ def test_bench_models_train_a_step_through_the_ops(devices, name):
     assert any(not np.array_equal(a, b) for a, b in zip(before, work.model.get_weights()))
     assert ops.stats()["steps"] == 1 and ops.stats()["compression_ratio"] == pytest.approx(
         2.0, rel=0.01)
-    assert work.unit == {"dense": "examples", "transformer": "tokens", "resnet50": "images"}[name]
+    assert work.unit == {"dense": "examples", "mlp": "examples", "transformer": "tokens",
+                         "resnet50": "images"}[name]
+    if name == "mlp":   # four square layers of 10 x 10
+        assert [w.shape for w in work.model.trainable_weights] == [(10, 10), (10,)] * 4
 
 
 def test_accuracy_cell_refused_by_the_compressor(devices):

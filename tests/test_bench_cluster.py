@@ -222,6 +222,13 @@ def test_tiny_end_to_end_run(tmp_path):
         assert row["predicted_s"] > compute["step_s"]
         assert row["prediction_error"] == pytest.approx(row["predicted_s"] / row["step_s"] - 1)
     assert fp16["pick"] == "*" and stock["pick"] == ""
+    # Where each step goes: the parts add up to the step; the wire at the link's rate.
+    for row in rows:
+        parts = row["compute_s"] + row["codec_s"] + row["wire_s"] + row["waiting_s"]
+        assert parts == pytest.approx(row["step_s"])
+        assert row["wire_s"] == pytest.approx(row["wire_bytes"] / 125e6)
+    assert compute["compute_s"] == compute["step_s"] and stock["compute_s"] == compute["step_s"]
+    assert stock["codec_s"] == 0 < fp16["codec_s"]
     assert stock["speedup"] == pytest.approx(1.0)
     assert fp16["speedup"] == pytest.approx(stock["step_s"] / fp16["step_s"])
     assert names() == before

@@ -5,7 +5,8 @@ Per (workers, rate): a probing job (the cost model's measurements of the link an
 each compressor's throughput), the compute-only floor (the same step with no
 communication, on N concurrent processes, since they share the cores and memory
 bandwidth), stock, then each compressor; each row carries the cost model's prediction
-of its step (`predicted_s`) next to the measured one. Workers run
+of its step (`predicted_s`) next to the measured one, and a breakdown of the measured
+step (`breakdown`: compute, codec, wire, waiting). Workers run
 `tf_gradsync.bench.multiworker`'s worker with a TF_CONFIG of namespace addresses and
 read their link's kernel tx counter around the timed steps.
 Needs root. Everything created (namespaces, links, bridge, processes) is removed on
@@ -28,6 +29,7 @@ from typing import Sequence
 from absl import flags
 
 from tf_gradsync import algorithms, launch
+from tf_gradsync.algorithms import cost
 from tf_gradsync.bench import multiworker, netns, ops_from_spec  # noqa: F401  (multiworker: flags)
 
 flags.DEFINE_list("cluster_workers", ["2", "4"], "cluster: worker counts.")
@@ -42,7 +44,7 @@ PLOT = ("mode", "speedup", "speed-up vs stock MWMS", "setup")
 #: With --png, also `<png>_predicted.png`: the cost model's step against the measured one.
 SCATTER = ("step_s", "predicted_s", "mode")
 COLUMNS = ["setup", "workers", "rate", "mode", "exchange", "step_s", "speedup", "vs_compute",
-           "predicted_s", "prediction_error", "pick", "items_per_s", "stats_bytes",
+           "compute_s", "codec_s", "wire_s", "waiting_s", "predicted_s", "prediction_error", "pick", "items_per_s", "stats_bytes",
            "wire_bytes", "wire_vs_stats", "ring_bound", "wire_vs_bound", "cores", "load"]
 _PORT = 20000   # every namespace has its own ports, so all workers can use the same one
 _ENV = {"TF_CPP_MIN_LOG_LEVEL": "2",
@@ -150,7 +152,27 @@ def measure(n: int, rate: str, modes: Sequence[str], params: int, steps: int,
         row["speedup"] = stock / row["step_s"]
         row["vs_compute"] = row["step_s"] / compute
     predict(rows, probes, specs, n)
+    breakdown(rows, cost.parse_bandwidth(rate))
     return rows
+
+
+def breakdown(rows: list[dict], bytes_per_s: float) -> None:
+    """Splits each measured step into where its time goes, all from this sitting:
+
+    compute_s: the compute-only row's step;
+    codec_s: compression and decoding (pack to unpack) at the throughput the probe
+      measured, every worker measuring at once, for this model's buckets and exchange
+      (as the cost model prices it; 0 for stock, which sends the gradients as they are);
+    wire_s: the bytes the kernel counted on the worker's link, at the link's rate;
+    waiting_s: the rest: latency, waiting for the slowest peer, framework overhead,
+      minus whatever ran overlapped (it can be negative when overlap hides more).
+    """
+    compute = rows[0]["step_s"]
+    for row in rows:
+        row["compute_s"] = compute if row is not rows[0] else row["step_s"]
+        row["codec_s"] = row.get("codec_s", 0.0)
+        row["wire_s"] = row["wire_bytes"] / bytes_per_s
+        row["waiting_s"] = row["step_s"] - row["compute_s"] - row["codec_s"] - row["wire_s"]
 
 
 def predict(rows: list[dict], probes: list[dict], specs: list, n: int) -> None:
@@ -178,6 +200,7 @@ def predict(rows: list[dict], probes: list[dict], specs: list, n: int) -> None:
         p = costmodel.predict(ops.compressor, payloads, kinds[row["exchange"]], n, link, compute,
                               rates[spec])
         row["predicted_s"] = p.step_s
+        row["codec_s"] = p.codec_s if row["mode"] != "stock MWMS" else 0.0
         row["prediction_error"] = p.step_s / row["step_s"] - 1
         row["link"] = [link.latency_s, link.bytes_per_s]
         row["pick"] = ""

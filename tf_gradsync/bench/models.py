@@ -1,5 +1,5 @@
 """Models the step-time suites train on synthetic data: a dense layer of a given size,
-ResNet-50 and a small Transformer language model.
+four of them (`mlp`), ResNet-50 and a small Transformer language model.
 
 `resnet50` follows tf_cnn_benchmarks' convention: `keras.applications.ResNet50` with
 random weights, synthetic images and labels generated once, throughput in images per
@@ -17,7 +17,9 @@ from typing import Callable
 import numpy as np
 
 #: Model names for `--model`.
-NAMES = ("dense", "resnet50", "transformer")
+NAMES = ("dense", "mlp", "resnet50", "transformer")
+#: Square Dense layers of the `mlp` model.
+MLP_LAYERS = 4
 
 
 @dataclasses.dataclass
@@ -63,7 +65,8 @@ def build(name: str, batch: int, params: int = 25_000_000, image_size: int = 224
     Args:
       name: one of `NAMES`.
       batch: examples per replica.
-      params: weights of the `dense` model (a square Dense layer).
+      params: weights of the `dense` model (a square Dense layer) or of the `mlp` one
+        (`MLP_LAYERS` square Dense layers with ReLU between them).
       image_size: `resnet50` input height and width.
       seq_len: `transformer` tokens per example.
       vocab: `transformer` vocabulary.
@@ -74,9 +77,13 @@ def build(name: str, batch: int, params: int = 25_000_000, image_size: int = 224
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
     keras = tf.keras
     rng = np.random.default_rng(0)
-    if name == "dense":
-        width = int(np.sqrt(params))
-        model = keras.Sequential([keras.Input((width,)), keras.layers.Dense(width)])
+    if name in ("dense", "mlp"):
+        layers = MLP_LAYERS if name == "mlp" else 1
+        width = int(np.sqrt(params / layers))
+        model = keras.Sequential(
+            [keras.Input((width,))]
+            + [keras.layers.Dense(width, activation="relu") for _ in range(layers - 1)]
+            + [keras.layers.Dense(width)])
         x = tf.constant(rng.standard_normal((batch, width)), tf.float32)
         return Workload(model, lambda m, x, y: tf.reduce_mean(m(x) ** 2), (x, None), batch,
                         "examples")

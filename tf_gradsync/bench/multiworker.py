@@ -23,7 +23,8 @@ flags.DEFINE_integer("workers", 2, "multiworker: number of local workers.")
 flags.DEFINE_integer("params", 25_000_000, "multiworker, cluster: model parameters.")
 flags.DEFINE_integer("steps", 10, "multiworker, cluster: timed steps per run.")
 flags.DEFINE_enum("model", "dense", list(models.NAMES),
-                  "multiworker, cluster: dense (--params weights), resnet50 or transformer.")
+                  "multiworker, cluster: dense (--params weights in one layer), mlp (in "
+                  "four), resnet50 or transformer.")
 flags.DEFINE_integer("batch", None, "multiworker, cluster: examples per worker and step "
                      "(default: 16; resnet50 8, transformer 8 sequences).")
 flags.DEFINE_integer("image_size", 224, "multiworker, cluster: resnet50 image size.")
@@ -163,7 +164,7 @@ def batch_size(model: str) -> int:
     """--batch, or the default per model."""
     if FLAGS.batch is not None:
         return FLAGS.batch
-    return {"dense": 16}.get(model, 8)
+    return {"dense": 16, "mlp": 16}.get(model, 8)
 
 
 def run_jobs(modes, workers: int, params: int, steps: int, batch: int, model: str = "dense",
