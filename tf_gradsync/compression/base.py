@@ -148,10 +148,12 @@ class Context:
         seed = tf.convert_to_tensor(self.seed, tf.int64)
         return seed + tf.constant([0, (self.replica + 1) * 0x9E3779B1], tf.int64)
 
-    def record_error(self, x: tf.Tensor, approx: tf.Tensor | None) -> None:
+    def record_error(self, x: tf.Tensor, approx: tf.Tensor | None, *,
+                     error_sq: tf.Tensor | None = None) -> None:
         """Records ||x - approx||^2 and ||x||^2 (x: what was compressed, approx: what
         this replica's payload decodes to, None when x was sent exactly) when errors
-        are measured."""
+        are measured. `error_sq`, when the caller already has ||x - approx||^2 (the
+        residual's squared norm), is recorded instead of computing it again."""
         if self.errors is None:
             return
         wd = tf.float64 if x.dtype == tf.float64 else tf.float32
@@ -159,9 +161,29 @@ class Context:
         # Fused forms: one pass for the difference and its square, a dot product (no
         # squared copy of the bucket) for the norm.
         flat = tf.reshape(x, [-1])
-        err = (tf.zeros([], wd) if approx is None else
-               tf.reduce_sum(tf.math.squared_difference(x, tf.cast(approx, wd))))
+        if error_sq is not None:
+            err = tf.cast(error_sq, wd)
+        elif approx is None:
+            err = tf.zeros([], wd)
+        else:
+            err = tf.reduce_sum(tf.math.squared_difference(x, tf.cast(approx, wd)))
         self.errors.append((err, tf.tensordot(flat, flat, 1)))
+
+    def keep_residual(self, residual: tf.Variable, x: tf.Tensor, new: tf.Tensor) -> None:
+        """Stores `new` = x - (what x's payload decodes to) as the error-feedback
+        residual, or zeros when it is not finite, and records the compression error.
+
+        One read of `new` serves both: its squared norm is the compression error, and,
+        a sum over every entry, it is not finite exactly when some entry is not (or,
+        beyond 1e19 in float32, overflows: the residual then restarts, harmlessly). So
+        a non-finite step (a NaN/Inf gradient) resets the residual without an
+        elementwise check or select over the bucket.
+        """
+        flat = tf.reshape(new, [-1])
+        error_sq = tf.tensordot(flat, flat, 1)
+        residual.assign(tf.cond(tf.math.is_finite(error_sq), lambda: new,
+                                lambda: tf.zeros_like(new)))
+        self.record_error(x, None, error_sq=error_sq)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -80,9 +80,7 @@ class ErrorFeedback(Wrapper):
         e = tf.cast(x, residual.dtype) + residual
         payload, meta = self.inner.compress(tf.cast(e, x.dtype), self._inner_ctx(ctx))
         local = tf.cast(self.inner.decompress(payload, meta), residual.dtype)
-        new = e - local
-        residual.assign(tf.where(tf.reduce_all(tf.math.is_finite(new)), new, 0))
-        ctx.record_error(e, local)
+        ctx.keep_residual(residual, e, e - local)
         return tuple(payload), meta
 
     def observe(self, reduced: tf.Tensor, ctx: Context) -> None:

@@ -192,9 +192,9 @@ class PowerSGD(Compressor):
         mine += [(o, tf.cast(x[o:o + s], wd)) for o, s in plan.dense]
         approx = _assemble(mine)
         if residual is not None:
-            error = m_flat - approx
-            residual.assign(tf.where(tf.reduce_all(tf.math.is_finite(error)), error, 0))
-        ctx.record_error(m_flat, approx)
+            ctx.keep_residual(residual, m_flat, m_flat - approx)
+        else:
+            ctx.record_error(m_flat, approx)
         if self.warm_start:
             ok = tf.reduce_all(tf.math.is_finite(q_sum)) & tf.reduce_any(q_sum != 0)
             fresh = _initial_q(q_sum.shape, q_sum.dtype, tf.convert_to_tensor(ctx.seed, tf.int64))

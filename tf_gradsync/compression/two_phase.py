@@ -144,8 +144,9 @@ def rounds(compressor: Compressor, x: tf.Tensor, ctx: Context) -> Rounds:
     total = tf.cast(compressor.combine(received, metas[me]), residual.dtype) + residual
     reduced, meta = codec.compress(tf.cast(total, x.dtype), _server_context(ctx, me))
     reduced = tuple(reduced)
-    new = total - tf.cast(codec.decompress(reduced, meta), residual.dtype)
-    residual.assign(tf.where(tf.reduce_all(tf.math.is_finite(new)), new, 0))
+    # The owner's error is not the replicas' compression error: not recorded.
+    _server_context(ctx, me).keep_residual(
+        residual, total, total - tf.cast(codec.decompress(reduced, meta), residual.dtype))
 
     # What every other owner sends is decoded with the meta the codec gives its chunk;
     # compressing zeros only to learn it and the payload's shapes adds no work to a
