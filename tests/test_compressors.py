@@ -922,7 +922,7 @@ def _layout_sizes(sizes):
     lambda: _util.Segments.chunks(_layout_sizes([4096, 4096]), 512),            # regular
 ], ids=["small", "long_runs", "id_pieces", "blocks", "regular"])
 def test_segment_statistics_match_numpy(make):
-    """Per-segment sums, maxima, means and expansion against numpy, for each way a
+    """Per-segment sums, extremes, means and expansion against numpy, for each way a
     bucket is cut into pieces (reshaped runs, segment reductions over id pieces)."""
     seg = make()
     sizes = np.asarray(seg.sizes)
@@ -932,6 +932,9 @@ def test_segment_statistics_match_numpy(make):
     np.testing.assert_allclose(seg.sum(tf.constant(v)).numpy(), [p.sum() for p in pieces],
                                rtol=1e-4, atol=1e-4)
     np.testing.assert_array_equal(seg.max(tf.constant(v)).numpy(), [p.max() for p in pieces])
+    np.testing.assert_array_equal(seg.min(tf.constant(v)).numpy(), [p.min() for p in pieces])
+    np.testing.assert_array_equal(seg.abs_max(tf.constant(v)).numpy(),
+                                  [np.abs(p).max() for p in pieces])
     np.testing.assert_allclose(seg.mean(tf.constant(v)).numpy(), [p.mean() for p in pieces],
                                rtol=1e-4, atol=1e-5)
     per = tf.range(seg.count, dtype=tf.float32) + 0.5

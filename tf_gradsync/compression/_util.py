@@ -286,6 +286,15 @@ class Segments:
         """Per-segment maxima, [count]."""
         return self._reduce(tf.reduce_max, tf.math.segment_max, v)
 
+    def min(self, v: tf.Tensor) -> tf.Tensor:
+        """Per-segment minima, [count]."""
+        return self._reduce(tf.reduce_min, tf.math.segment_min, v)
+
+    def abs_max(self, v: tf.Tensor) -> tf.Tensor:
+        """Per-segment max |v|, [count], from two reductions that only read `v` (no
+        bucket-sized |v| is written)."""
+        return tf.maximum(self.max(v), -self.min(v))
+
     def mean(self, v: tf.Tensor) -> tf.Tensor:
         """Per-segment means, [count]."""
         return self._reduce(tf.reduce_mean, tf.math.segment_mean, v)

@@ -41,8 +41,10 @@ class Int8(Compressor):
         seg = _util.Segments.of(ctx.layout_of(x))
         wd = _util.work_dtype(x.dtype)
         v = tf.cast(x, wd)
-        scale = seg.max(tf.abs(v)) / 127
-        q = tf.clip_by_value(tf.round(tf.math.divide_no_nan(v, seg.expand(scale))), -127, 127)
+        scale = seg.abs_max(v) / 127
+        # |v| / scale <= 127 (to within a rounding of the division, which cannot reach
+        # 127.5), so no clipping; a non-finite bucket's NaN scale decodes to NaN anyway.
+        q = tf.round(tf.math.divide_no_nan(v, seg.expand(scale)))
         return (tf.cast(q, tf.int8), scale + _util.poison(x, wd)), (seg, x.dtype)
 
     def decompress(self, payload: Sequence[tf.Tensor], meta) -> tf.Tensor:

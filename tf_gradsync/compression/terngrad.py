@@ -65,9 +65,10 @@ class TernGrad(Compressor):
             bound = seg.expand(self.clip * tf.sqrt(var))
             # A constant tensor has sigma 0: leave it unclipped rather than zeroed.
             v = tf.where(bound > 0, tf.clip_by_value(v, -bound, bound), v)
-        scale = seg.max(tf.abs(v))
+        magnitude = tf.abs(v)       # once, for the scale and the draws
+        scale = seg.max(magnitude)
         u = tf.random.stateless_uniform(tf.shape(v), ctx.replica_seed(), dtype=wd)
-        keep = u < tf.math.divide_no_nan(tf.abs(v), seg.expand(scale))
+        keep = u < tf.math.divide_no_nan(magnitude, seg.expand(scale))
         codes = tf.where(keep, tf.where(v > 0, 1, 2), 0)
         return (_util.pack(codes, 2), scale + _util.poison(x, wd)), (seg, x.dtype)
 
