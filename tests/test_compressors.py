@@ -938,5 +938,7 @@ def test_segment_statistics_match_numpy(make):
     np.testing.assert_allclose(seg.mean(tf.constant(v)).numpy(), [p.mean() for p in pieces],
                                rtol=1e-4, atol=1e-5)
     per = tf.range(seg.count, dtype=tf.float32) + 0.5
+    np.testing.assert_array_equal(seg.apply(tf.multiply, tf.constant(v), per).numpy(),
+                                  v * (np.repeat(np.arange(seg.count), sizes) + 0.5))
     np.testing.assert_array_equal(seg.expand(per).numpy(),
                                   np.repeat(np.arange(seg.count), sizes) + 0.5)

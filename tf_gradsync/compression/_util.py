@@ -305,6 +305,25 @@ class Segments:
             return tf.fill([self.count], tf.constant(self.runs[0][0], dtype))
         return tf.constant(self.sizes, dtype)
 
+    def apply(self, fn, v: tf.Tensor, per_segment: tf.Tensor) -> tf.Tensor:
+        """`fn(v, expand(per_segment))` for an elementwise binary `fn` (multiply,
+        divide), without writing the expansion out where segments are runs of equal
+        size: there `fn` broadcasts each segment's value over a row of the reshaped
+        bucket, one pass instead of two."""
+        if self.count == 1:
+            return fn(v, per_segment)
+        out = []
+        for piece in self._pieces:
+            part = v if len(self._pieces) == 1 else v[piece.start:piece.stop]
+            values = per_segment if len(self._pieces) == 1 else \
+                per_segment[piece.first:piece.first + piece.count]
+            if piece.ids is None:
+                rows = fn(tf.reshape(part, [piece.count, -1]), values[:, None])
+                out.append(tf.reshape(rows, [-1]))
+            else:
+                out.append(fn(part, tf.gather(values, tf.constant(piece.ids))))
+        return out[0] if len(out) == 1 else tf.concat(out, 0)
+
     def expand(self, per_segment: tf.Tensor) -> tf.Tensor:
         """Each segment's value repeated over its elements ([1] for one segment, which
         broadcasts)."""

@@ -44,11 +44,11 @@ class Int8(Compressor):
         scale = seg.abs_max(v) / 127
         # |v| / scale <= 127 (to within a rounding of the division, which cannot reach
         # 127.5), so no clipping; a non-finite bucket's NaN scale decodes to NaN anyway.
-        q = tf.round(tf.math.divide_no_nan(v, seg.expand(scale)))
+        q = tf.round(seg.apply(tf.math.divide_no_nan, v, scale))
         return (tf.cast(q, tf.int8), scale + _util.poison(x, wd)), (seg, x.dtype)
 
     def decompress(self, payload: Sequence[tf.Tensor], meta) -> tf.Tensor:
         """scale * values, in the input dtype."""
         q, scale = payload
         seg, dtype = meta
-        return tf.cast(tf.cast(q, scale.dtype) * seg.expand(scale), dtype)
+        return tf.cast(seg.apply(tf.multiply, tf.cast(q, scale.dtype), scale), dtype)

@@ -61,7 +61,7 @@ class QSGD(Compressor):
         wd = _util.work_dtype(x.dtype)
         v = tf.cast(x, wd)
         norm = tf.sqrt(seg.sum(tf.square(v)))
-        a = tf.math.divide_no_nan(tf.abs(v) * self.levels, seg.expand(norm))
+        a = seg.apply(tf.math.divide_no_nan, tf.abs(v) * self.levels, norm)
         u = tf.random.stateless_uniform(tf.shape(v), ctx.replica_seed(), dtype=wd)
         level = tf.minimum(tf.floor(a + u), self.levels)
         q = tf.cast(tf.sign(v) * level, tf.int8)
@@ -71,4 +71,4 @@ class QSGD(Compressor):
         """norm / levels * q, in the input dtype."""
         q, norm = payload
         seg, dtype = meta
-        return tf.cast(tf.cast(q, norm.dtype) * seg.expand(norm / self.levels), dtype)
+        return tf.cast(seg.apply(tf.multiply, tf.cast(q, norm.dtype), norm / self.levels), dtype)

@@ -91,7 +91,7 @@ class Sign(Compressor):
         seg, dtype = meta
         wd = _util.work_dtype(dtype)
         signs = _util.unpack(packed, 1, seg.numel, values=(-1, 1), dtype=wd)
-        return tf.cast(signs * seg.expand(tf.cast(scale, wd)), dtype)
+        return tf.cast(seg.apply(tf.multiply, signs, tf.cast(scale, wd)), dtype)
 
     def server_codec(self) -> Compressor:
         """int8 with a scale per tensor. Re-sending an owner's sum of N one-bit

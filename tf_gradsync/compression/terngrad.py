@@ -68,7 +68,7 @@ class TernGrad(Compressor):
         magnitude = tf.abs(v)       # once, for the scale and the draws
         scale = seg.max(magnitude)
         u = tf.random.stateless_uniform(tf.shape(v), ctx.replica_seed(), dtype=wd)
-        keep = u < tf.math.divide_no_nan(magnitude, seg.expand(scale))
+        keep = u < seg.apply(tf.math.divide_no_nan, magnitude, scale)
         codes = tf.where(keep, tf.where(v > 0, 1, 2), 0)
         return (_util.pack(codes, 2), scale + _util.poison(x, wd)), (seg, x.dtype)
 
@@ -77,4 +77,4 @@ class TernGrad(Compressor):
         packed, scale = payload
         seg, dtype = meta
         t = _util.unpack(packed, 2, seg.numel, values=(0, 1, -1, 0), dtype=scale.dtype)
-        return tf.cast(t * seg.expand(scale), dtype)
+        return tf.cast(seg.apply(tf.multiply, t, scale), dtype)
