@@ -939,6 +939,6 @@ def test_segment_statistics_match_numpy(make):
                                rtol=1e-4, atol=1e-5)
     per = tf.range(seg.count, dtype=tf.float32) + 0.5
     np.testing.assert_array_equal(seg.apply(tf.multiply, tf.constant(v), per).numpy(),
-                                  v * (np.repeat(np.arange(seg.count), sizes) + 0.5))
+                                  v * (np.repeat(np.arange(seg.count), sizes) + 0.5).astype(np.float32))
     np.testing.assert_array_equal(seg.expand(per).numpy(),
                                   np.repeat(np.arange(seg.count), sizes) + 0.5)
