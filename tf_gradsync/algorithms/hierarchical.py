@@ -21,12 +21,12 @@ from __future__ import annotations
 import tensorflow as tf
 
 from tf_gradsync.algorithms import collective, ring
-from tf_gradsync.algorithms._common import Exchange, Group, Wire
+from tf_gradsync.algorithms._common import Group, Wire
 
 
-class Hierarchical(Exchange):
+class Hierarchical(collective.Collective):
     """Reduce-scatter within each worker, all-reduce of shards between workers, all-gather
-    within each worker."""
+    within each worker; gathers as `Collective`."""
 
     name = "hierarchical"
 
@@ -46,6 +46,3 @@ class Hierarchical(Exchange):
             return out
 
         return ring.all_reduce(payloads, group.devices, wire, between=across_workers)
-
-    def _gather(self, payloads, group, wire, like):
-        return collective.Collective()._gather(payloads, group, wire, like)

@@ -44,8 +44,8 @@ PLOT = ("mode", "speedup", "speed-up vs stock MWMS", "setup")
 #: With --png, also `<png>_predicted.png`: the cost model's step against the measured one.
 SCATTER = ("step_s", "predicted_s", "mode")
 COLUMNS = ["setup", "workers", "rate", "mode", "exchange", "step_s", "speedup", "vs_compute",
-           "compute_s", "codec_s", "wire_s", "waiting_s", "predicted_s", "prediction_error", "pick", "items_per_s", "stats_bytes",
-           "wire_bytes", "wire_vs_stats", "ring_bound", "wire_vs_bound", "cores", "load"]
+           "compute_s", "codec_s", "wire_s", "waiting_s", "predicted_s", "prediction_error",
+           "pick", "items_per_s", "stats_bytes", "wire_bytes", "wire_vs_stats", "ring_bound", "wire_vs_bound", "cores", "load"]
 _PORT = 20000   # every namespace has its own ports, so all workers can use the same one
 _ENV = {"TF_CPP_MIN_LOG_LEVEL": "2",
         # glibc returning the large gradient buffers every step makes timings noisy.
@@ -169,7 +169,7 @@ def breakdown(rows: list[dict], bytes_per_s: float) -> None:
     """
     compute = rows[0]["step_s"]
     for row in rows:
-        row["compute_s"] = compute if row is not rows[0] else row["step_s"]
+        row["compute_s"] = compute
         row["codec_s"] = row.get("codec_s", 0.0)
         row["wire_s"] = row["wire_bytes"] / bytes_per_s
         row["waiting_s"] = row["step_s"] - row["compute_s"] - row["codec_s"] - row["wire_s"]

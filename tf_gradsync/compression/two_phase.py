@@ -142,10 +142,10 @@ def rounds(compressor: Compressor, x: tf.Tensor, ctx: Context) -> Rounds:
     me = chunks.member
     residual = ctx.state[SERVER]
     total = tf.cast(compressor.combine(received, metas[me]), residual.dtype) + residual
-    reduced, meta = codec.compress(tf.cast(total, x.dtype), _server_context(ctx, me))
+    server = _server_context(ctx, me)   # records no error: not the replicas' compression
+    reduced, meta = codec.compress(tf.cast(total, x.dtype), server)
     reduced = tuple(reduced)
-    # The owner's error is not the replicas' compression error: not recorded.
-    _server_context(ctx, me).keep_residual(
+    server.keep_residual(
         residual, total, total - tf.cast(codec.decompress(reduced, meta), residual.dtype))
 
     # What every other owner sends is decoded with the meta the codec gives its chunk;
