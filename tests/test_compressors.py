@@ -121,7 +121,7 @@ def test_ratio_one_is_lossless(name):
 
 #: Unbiased configurations (randomk and terngrad are biased at their defaults).
 UNBIASED = [("qsgd", {}), ("randomk", {"scale": True, "ratio": 0.25}),
-            ("terngrad", {"clip": None})]
+            ("terngrad", {"clip": None, "rms_clip": None})]
 
 
 @pytest.mark.parametrize("name,kwargs", UNBIASED, ids=[n for n, _ in UNBIASED])
@@ -231,12 +231,18 @@ def test_qsgd_reference():
                                q.numpy() * expanded / levels, rtol=1e-5)
 
 
-def test_terngrad_reference():
+@pytest.mark.parametrize("optimizer,bound", [(None, 2.5), ("sgd", 2.5), ("adam", 1.0),
+                                             ("rmsprop", 1.0)])
+def test_terngrad_reference(optimizer, bound):
+    """Clipped per tensor at 2.5 sigma, or at `rms_clip` once an optimizer that divides by
+    a running root mean square has been met."""
     x = rand(N, seed=6, scales=SCALES).numpy().astype(np.float32)
     x[LAYOUT.offsets[3] + 7] = 50 * 1e3            # an outlier in the matrix
     c = C.get("terngrad")
+    if optimizer is not None:
+        c.check_optimizer(tf.keras.optimizers.get(optimizer))
     (packed, scale), meta = c.compress(tf.constant(x), context(layout=LAYOUT))
-    clipped = [np.clip(t, -2.5 * t.std(), 2.5 * t.std()) if t.std() > 0 else t
+    clipped = [np.clip(t, -bound * t.std(), bound * t.std()) if t.std() > 0 else t
                for t in tensors(x)]
     want_scale = np.array([np.abs(t).max() for t in clipped], np.float32)
     np.testing.assert_allclose(scale.numpy(), want_scale, rtol=1e-5)
@@ -590,6 +596,7 @@ def test_payload_bytes_per_tensor_statistics():
     ("qsgd", {"levels": 0}, "0"), ("qsgd", {"levels": 128}, "128"),
     ("qsgd", {"levels": 2.5}, "2.5"), ("qsgd", {"chunk": 0}, "0"),
     ("terngrad", {"clip": 0}, "0"), ("terngrad", {"clip": "2"}, "'2'"),
+    ("terngrad", {"rms_clip": -1}, "-1"),
     ("powersgd", {"rank": 0}, "0"), ("powersgd", {"start_iter": -2}, "-2"),
     ("powersgd", {"min_compression_rate": 0.5}, "0.5"), ("powersgd", {"warm_start": 1}, "1"),
     ("powersgd", {"error_feedback": "no"}, "'no'"), ("sign", {"block": 0}, "0"),

@@ -436,7 +436,9 @@ class Compressor(abc.ABC):
         """Raises ValueError when this compressor cannot train with `optimizer`.
 
         Called once per traced synchronisation with the Keras optimizer applying the
-        gradients (when one can be found). By default it warns when the optimizer
+        gradients (when one can be found), before anything is compressed; a
+        compressor whose best setting depends on the optimizer settles it here
+        (TernGrad's clipping bound). By default it warns when the optimizer
         needs a larger learning rate (`learning_rate_scale`), since it cannot tell
         whether the user's rate was already scaled.
         """

@@ -12,7 +12,7 @@ from typing import Sequence
 import tensorflow as tf
 
 from tf_gradsync.compression import _util
-from tf_gradsync.compression.base import Compressor, Context, register
+from tf_gradsync.compression.base import Compressor, Context, divides_by_rms, register
 
 
 @register("terngrad")
@@ -20,13 +20,25 @@ class TernGrad(Compressor):
     """Sends scale * t with t in {-1, 0, 1} per tensor, P(t = sign x) = |x| / scale.
 
     As in the paper, each tensor (layer) is first clipped to `clip` standard
-    deviations of its entries (`clip=None`: no clipping), and scale is the largest
-    clipped magnitude of the tensor; then E[scale * t] equals the clipped x. Clipping
-    changes only the few outliers beyond `clip` sigma and shrinks the scale, and so the
-    variance, by a large factor (the paper's Section 3.2). The Bernoulli draws are
-    seeded per replica (`Context.replica_seed`), so replicas' errors are independent.
-    Error feedback is off by default: the ternary noise is not a contraction, so a
-    residual would only accumulate it.
+    deviations of its entries (None: no clipping), and scale is the largest clipped
+    magnitude of the tensor; then E[scale * t] equals the clipped x. Clipping changes
+    only the few outliers beyond the bound and shrinks the scale, and with it the
+    variance scale * |x| - x^2 of each entry (the paper's Section 3.2). The Bernoulli
+    draws are seeded per replica (`Context.replica_seed`), so replicas' errors are
+    independent. Error feedback is off by default: the ternary noise is not a
+    contraction, so a residual would only accumulate it.
+
+    Under an optimizer that divides by a running root mean square (Adam, RMSprop,
+    Adagrad: `divides_by_rms`), met when the all-reduce is traced
+    (`check_optimizer`), the bound is `rms_clip` instead. Such an optimizer moves
+    each entry by its mean over its root mean square, and the ternary noise of an
+    entry much smaller than the scale swamps its mean square: small entries crawl
+    (a CNN on digits under Adam 1e-3, 4 replicas, 15 epochs: 0.914 at the paper's 2.5
+    sigma, 0.833 at 4, 0.744 unclipped; 0.958 at 1 and 0.967 at 0.75, against 0.969
+    uncompressed; the digits MLP 0.969 at 1 and 0.961 at 0.75 against 0.975). The bias
+    of a tight bound costs such an optimizer little, since it ignores each entry's
+    scale, while SGD with momentum, which follows the magnitudes, keeps the paper's
+    bound (at 1 sigma the residual network lost 2.5 points under it).
 
     Payload: `(codes, scales)`: 2-bit codes (0: zero, 1: +1, 2: -1) packed four per
     uint8, ceil(n / 4) bytes, and one float32 scale per tensor (float64 for float64
@@ -35,9 +47,11 @@ class TernGrad(Compressor):
 
     Args:
       clip: clipping bound in standard deviations per tensor (> 0), or None.
+      rms_clip: the bound under optimizers that divide by a running root mean
+        square (> 0), or None.
 
     Raises:
-      ValueError: for a `clip` that is not a positive number or None.
+      ValueError: for a `clip` or `rms_clip` that is not a positive number or None.
 
     Example:
       >>> c = tf_gradsync.compression.get("terngrad")
@@ -48,21 +62,29 @@ class TernGrad(Compressor):
     summable = False
     default_error_feedback = False
 
-    def __init__(self, clip: float | None = 2.5):
-        if clip is not None:
-            _util.check_number("clip", clip, 0, low_open=True)
-        self.clip = clip
-        self.unbiased = clip is None
+    def __init__(self, clip: float | None = 2.5, rms_clip: float | None = 1.0):
+        for name, bound in (("clip", clip), ("rms_clip", rms_clip)):
+            if bound is not None:
+                _util.check_number(name, bound, 0, low_open=True)
+        self.clip, self.rms_clip = clip, rms_clip
+        self.unbiased = clip is None and rms_clip is None
+        self._bound = clip          # the bound in use, settled by the optimizer met
+
+    def check_optimizer(self, optimizer) -> None:
+        """Settles the clipping bound: `rms_clip` under an optimizer that divides by a
+        running root mean square, else `clip`."""
+        super().check_optimizer(optimizer)
+        self._bound = self.rms_clip if divides_by_rms(optimizer) else self.clip
 
     def compress(self, x: tf.Tensor, ctx: Context):
         """Returns `((packed codes, scales), (segments, dtype))`."""
         seg = _util.Segments.of(ctx.layout_of(x))
         wd = _util.work_dtype(x.dtype)
         v = tf.cast(x, wd)
-        if self.clip is not None:
+        if self._bound is not None:
             mean = seg.mean(v)
             var = tf.maximum(seg.mean(tf.square(v)) - tf.square(mean), 0)
-            bound = seg.expand(self.clip * tf.sqrt(var))
+            bound = seg.expand(self._bound * tf.sqrt(var))
             # A constant tensor has sigma 0: leave it unclipped rather than zeroed.
             v = tf.where(bound > 0, tf.clip_by_value(v, -bound, bound), v)
         magnitude = tf.abs(v)       # once, for the scale and the draws
