@@ -10,7 +10,7 @@ setup(
     python_requires=">=3.9",
     install_requires=["tensorflow>=2.16", "numpy", "absl-py", "pyyaml"],
     extras_require={
-        "test": ["pytest", "scikit-learn", "tf_keras", "hypothesis", "matplotlib", "tensorboard"],
+        "test": ["pytest", "pytest-xdist", "scikit-learn", "tf_keras", "hypothesis", "matplotlib", "tensorboard"],
         "examples": ["scikit-learn"],
         "report": ["matplotlib"],
         "tensorboard": ["tensorboard"],   # CommunicationMonitor(tensorboard_dir=...)
