@@ -158,6 +158,21 @@ def test_dgc_with_optimizer_momentum_fails_under_tf_keras():
         out.stdout[-2000:]
 
 
+@pytest.mark.parametrize("name,bound", [("adam", 1.0), ("sgd", 2.5)])
+def test_terngrad_clips_by_the_optimizer_that_applies_the_step(devices, name, bound):
+    """TernGrad's bound is settled from the optimizer met while the step is traced."""
+    ops = gs.CompressedAllReduce("terngrad")
+    assert ops.compressor.bound == 2.5
+    strategy = tf.distribute.MirroredStrategy(devices[:2], cross_device_ops=ops)
+    x, _, y, _ = train_digits.load_data(0)
+    optimizer = lambda k: train_digits.make_optimizer(k, name, 1e-3, 0.0)  # noqa: E731
+    with strategy.scope():
+        model = train_digits.build_model(tf.keras, 0, optimizer)
+    model.fit(x[:64], y[:64], batch_size=64, epochs=1, verbose=0)
+    assert ops.stats()["steps"] == 1
+    assert ops.compressor.bound == bound
+
+
 @pytest.mark.slow
 def test_custom_loop_example_trains_and_keeps_replicas_in_step(devices):
     import custom_loop_digits

@@ -68,7 +68,13 @@ class TernGrad(Compressor):
                 _util.check_number(name, bound, 0, low_open=True)
         self.clip, self.rms_clip = clip, rms_clip
         self.unbiased = clip is None and rms_clip is None
-        self._bound = clip          # the bound in use, settled by the optimizer met
+        self._bound = clip
+
+    @property
+    def bound(self) -> float | None:
+        """The clipping bound in use: `clip` until an optimizer that divides by a
+        running root mean square has been met, `rms_clip` after."""
+        return self._bound
 
     def check_optimizer(self, optimizer) -> None:
         """Settles the clipping bound: `rms_clip` under an optimizer that divides by a
@@ -81,10 +87,10 @@ class TernGrad(Compressor):
         seg = _util.Segments.of(ctx.layout_of(x))
         wd = _util.work_dtype(x.dtype)
         v = tf.cast(x, wd)
-        if self._bound is not None:
+        if self.bound is not None:
             mean = seg.mean(v)
             var = tf.maximum(seg.mean(tf.square(v)) - tf.square(mean), 0)
-            bound = seg.expand(self._bound * tf.sqrt(var))
+            bound = seg.expand(self.bound * tf.sqrt(var))
             # A constant tensor has sigma 0: leave it unclipped rather than zeroed.
             v = tf.where(bound > 0, tf.clip_by_value(v, -bound, bound), v)
         magnitude = tf.abs(v)       # once, for the scale and the draws
