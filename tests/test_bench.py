@@ -111,6 +111,21 @@ def test_time_to_target():
         bench.ops_from_spec("powersgd:rank16")
 
 
+def test_recipe_overrides():
+    from tf_gradsync.bench import accuracy
+    assert accuracy.recipe_of("sgdm") == accuracy.RECIPES["sgdm"] == ("sgd", 0.05, 0.9)
+    assert accuracy.recipe_of("sgdm:lr=0.025") == ("sgd", 0.025, 0.9)
+    assert accuracy.recipe_of("sgd:lr=0.5:momentum=0.5") == ("sgd", 0.5, 0.5)
+    with pytest.raises(ValueError, match="'rmsprop'.*valid: adam, sgdm, sgd"):
+        accuracy.recipe_of("rmsprop")
+    with pytest.raises(ValueError, match="'beta=0.9'.*lr=X or momentum=Y"):
+        accuracy.recipe_of("adam:beta=0.9")
+    with pytest.raises(ValueError, match="'lr=-1'"):
+        accuracy.recipe_of("sgd:lr=-1")
+    with pytest.raises(ValueError, match="'lr=fast'"):
+        accuracy.compare(["none"], ["/cpu:0"], 1, 0.0, recipes=["sgd:lr=fast"])
+
+
 def test_accuracy_tiny_run(devices):
     from tf_gradsync.bench import accuracy
     rows = accuracy.compare(["stock", "fp16"], devices, epochs=2, target=0.0, models=["mlp"],

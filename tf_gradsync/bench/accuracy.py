@@ -21,6 +21,9 @@ A compressor that applies momentum itself (dgc) refuses an optimizer with moment
 before the first step; its `sgdm` cell then runs the recipe with the momentum moved
 into the compressor (SGD with momentum 0) and says so in `note`.
 
+`--optimizers` takes recipes with optional overrides, `recipe:lr=X:momentum=Y` (e.g.
+`sgdm:lr=0.025`, `sgd:lr=0.5`), for sensitivity studies around the matrix's recipes.
+
 `--compressors` takes registered names with optional arguments, `name:key=value:...`
 (e.g. `powersgd:rank=16`; `error_feedback=false` turns the default error feedback
 off), and "stock".
@@ -58,6 +61,33 @@ RECIPES = {"adam": ("adam", 1e-3, 0.0), "sgdm": ("sgd", 0.05, 0.9), "sgd": ("sgd
 COLUMNS = ["model", "optimizer", "mode", "accuracy", "vs_none_pts", "vs_stock_pts",
            "epochs_to_target", "seconds_to_target", "ratio", "comm_error", "note"]
 PLOT = ("mode", "vs_none_pts", "test accuracy - none's (points)", "setting")
+
+
+def recipe_of(spec: str) -> tuple[str, float, float]:
+    """`(optimizer, learning rate, momentum)` of a recipe spec: a key of `RECIPES`, with
+    optional `:lr=X` and `:momentum=Y` overrides.
+
+    Raises:
+      ValueError: for an unknown recipe or key, or a value that is not a number >= 0.
+    """
+    base, *args = spec.split(":")
+    if base not in RECIPES:
+        raise ValueError(f"unknown optimizer recipe {base!r} in {spec!r}; valid: {', '.join(RECIPES)}")
+    name, lr, momentum = RECIPES[base]
+    for arg in args:
+        key, _, value = arg.partition("=")
+        try:
+            number = float(value)
+        except ValueError:
+            number = -1.0
+        if key not in ("lr", "momentum") or not number >= 0:
+            raise ValueError(f"bad recipe argument {arg!r} in {spec!r}; expected lr=X or "
+                             "momentum=Y with a number >= 0")
+        if key == "lr":
+            lr = number
+        else:
+            momentum = number
+    return name, lr, momentum
 
 
 def train_digits():
@@ -146,7 +176,7 @@ def train_cell(model: str, recipe: str, mode: str, devices: Sequence[str], data,
 
     Args:
       model: an architecture of `train_digits.MODELS`.
-      recipe: a key of `RECIPES`.
+      recipe: a key of `RECIPES`, optionally with overrides (`recipe_of`).
       mode: "stock" or a compressor spec.
       devices: the replicas' devices.
       data: `(x_train, x_test, y_train, y_test)`.
@@ -163,7 +193,7 @@ def train_cell(model: str, recipe: str, mode: str, devices: Sequence[str], data,
       all-reduce would send over that) and `comm_error` (mean over steps).
     """
     digits = train_digits()
-    name, lr, momentum = RECIPES[recipe]
+    name, lr, momentum = recipe_of(recipe)
     note = ""
     for attempt in range(2):
         ops = None if mode == "stock" else ops_from_spec(mode)
@@ -234,10 +264,13 @@ def compare(modes: Sequence[str], devices: Sequence[str], epochs: int, target: f
       ValueError: for an unknown model or recipe.
     """
     unknown = [m for m in models if m not in train_digits().MODELS]
-    unknown += [r for r in recipes if r not in RECIPES]
+    unknown += [r for r in recipes if r.split(":")[0] not in RECIPES]
     if unknown:
         raise ValueError(f"unknown models or optimizers {unknown}; valid models: "
                          f"{', '.join(train_digits().MODELS)}; optimizers: {', '.join(RECIPES)}")
+    for r in recipes:
+        if r.split(":")[0] in RECIPES:
+            recipe_of(r)      # bad overrides fail before any training
     data = train_digits().load_data(SEED)
     rows = []
     for model in models:
