@@ -908,6 +908,19 @@ def test_warmup_sends_dense_then_the_inner_compressor():
         C.Warmup("sign", steps=-1)
 
 
+def test_warmup_before_a_sparse_payload_warns_sgd_with_momentum():
+    sgdm = tf.keras.optimizers.SGD(0.05, momentum=0.9)
+    with pytest.warns(UserWarning, match=r"warmup_steps=300 before .*TopK.* every 10 steps, "
+                                         r"under SGD with momentum=0.9"):
+        C.Warmup(C.ErrorFeedback("topk"), steps=300).check_optimizer(sgdm)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        C.Warmup(C.ErrorFeedback("topk"), steps=300).check_optimizer(tf.keras.optimizers.SGD(0.2))
+        C.Warmup(C.ErrorFeedback("sign"), steps=300).check_optimizer(sgdm)   # every entry
+        C.Warmup(C.get("powersgd"), steps=300).check_optimizer(sgdm)
+        C.Warmup(C.ErrorFeedback("topk"), steps=0).check_optimizer(sgdm)
+
+
 def test_ops_warmup_steps():
     ops = gs.CompressedAllReduce("topk", warmup_steps=50)
     assert isinstance(ops.compressor, C.Warmup) and ops.compressor.steps == 50

@@ -528,6 +528,17 @@ def optimizer_config(optimizer: Any) -> dict:
         return {}
 
 
+def optimizer_momentum(optimizer: Any) -> tuple[str, float]:
+    """The name and value of the momentum an optimizer applies: SGD's `momentum`, the
+    first-moment decay `beta_1` of Adam and its kin; 0 when none (or unknown)."""
+    config = optimizer_config(optimizer)
+    for name in ("momentum", "beta_1"):
+        value = config.get(name)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value:
+            return name, float(value)
+    return "momentum", 0.0
+
+
 def divides_by_rms(optimizer: Any) -> bool:
     """Whether `optimizer` (a Keras optimizer, or a name `tf.keras.optimizers.get`
     knows, such as "adam") divides its update by a running root mean square of the

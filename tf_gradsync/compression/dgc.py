@@ -14,7 +14,7 @@ import tensorflow as tf
 
 from tf_gradsync.compression import _util
 from tf_gradsync.compression.base import (Compressor, Context, Layout, StateSpec,
-                                          optimizer_config, register)
+                                          optimizer_momentum, register)
 
 
 @register("dgc")
@@ -43,7 +43,10 @@ class DGC(Compressor):
     step 0 to `ratio` at `warmup_steps` (e.g. 0.25, 0.0625, 0.0156, 0.004, 0.001),
     the stages evenly spread over the warm-up. Each stage is one fixed payload
     mode (`mode`, chosen by the step, so equal everywhere) with payloads of fixed
-    shapes; only the current stage's payload is sent. k is taken per tensor of the
+    shapes; only the current stage's payload is sent. Keep the warm-up early, as
+    the paper does: one ending when the model has already trained (step 300 of the
+    digits MLP) dipped 8 points, as every late move to a sparser payload under
+    momentum does (BENCHMARKS.md). k is taken per tensor of the
     bucket (ratio x size, at least 1), as the paper selects per layer.
 
     Payload: `(values, indices)`, values in the input dtype and int32 indices, K
@@ -110,7 +113,7 @@ class DGC(Compressor):
     def check_optimizer(self, optimizer) -> None:
         """Refuses an optimizer that applies momentum on top of DGC's own (SGD's
         `momentum`, Adam's `beta_1`)."""
-        name, momentum = _optimizer_momentum(optimizer)
+        name, momentum = optimizer_momentum(optimizer)
         if self.momentum > 0 and momentum:
             raise ValueError(
                 f"dgc applies momentum {self.momentum} itself (momentum correction), and the "
@@ -182,14 +185,3 @@ class _Selection(Compressor):
 
     def decompress(self, payload: Sequence[tf.Tensor], meta) -> tf.Tensor:
         return self.dgc.decompress(payload, meta)
-
-
-def _optimizer_momentum(optimizer: Any) -> tuple[str, float]:
-    """The name and value of the momentum an optimizer applies: SGD's `momentum`, the
-    first-moment decay `beta_1` of Adam and its kin; 0 when none (or unknown)."""
-    config = optimizer_config(optimizer)
-    for name in ("momentum", "beta_1"):
-        value = config.get(name)
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and value:
-            return name, float(value)
-    return "momentum", 0.0

@@ -9,11 +9,14 @@ References:
 from __future__ import annotations
 
 import dataclasses
+import warnings
+from typing import Any
 
 import tensorflow as tf
 
 from tf_gradsync.compression import _util
 from tf_gradsync.compression.base import (SUM, Compressor, Context, Layout, Message, Rounds,
+                                          optimizer_momentum,
                                           StateSpec, Wrapper, get)
 
 
@@ -50,6 +53,22 @@ class Warmup(Wrapper):
 
     def state_spec(self, layout: Layout) -> dict[str, StateSpec]:
         return self.inner.state_spec(layout)
+
+    def check_optimizer(self, optimizer: Any) -> None:
+        """Warns when a sparse payload follows the warm-up under SGD with momentum:
+        moving a trained model to a payload that delays most entries cost the digits
+        MLP up to 24 points for several epochs there (BENCHMARKS.md), where the same
+        payload from the first step did not."""
+        name, momentum = optimizer_momentum(optimizer)
+        if self.steps and name == "momentum" and momentum and self.inner.send_interval() > 1:
+            warnings.warn(
+                f"warmup_steps={self.steps} before {self.inner!r}, which sends an entry "
+                f"about every {self.inner.send_interval():.3g} steps, under "
+                f"{type(optimizer).__name__} with momentum={momentum}: switching a trained "
+                "model to a sparse payload under momentum costs accuracy for several "
+                "epochs; start sparse (warmup_steps=0) or use a compressor that sends "
+                "every entry (powersgd, int8, sign)", stacklevel=2)
+        super().check_optimizer(optimizer)
 
     def mode(self, ctx: Context) -> tf.Tensor:
         """0 during the warm-up, then 1 + the inner compressor's mode."""
