@@ -38,8 +38,8 @@ def define_flags():
     flags.DEFINE_enum("optimizer", "adam", ["adam", "sgd"], "Optimizer.")
     flags.DEFINE_float("learning_rate", None, "Learning rate (default: adam 1e-3, sgd 0.05, "
                        "times the compressor's learning_rate_scale).")
-    flags.DEFINE_float("momentum", 0.9, "SGD momentum (0 for compressors that apply their "
-                       "own, such as dgc).")
+    flags.DEFINE_float("momentum", 0.9, "SGD momentum, or Adam's beta_1 (0 for compressors "
+                       "that apply their own, such as dgc).")
     flags.DEFINE_string("tensorboard_dir", None, "Write the monitor's scalars for TensorBoard.")
     flags.DEFINE_integer("verbose", 1, "Keras verbosity: 1 progress bar, 2 a line per epoch, 0 none.")
 
@@ -56,9 +56,10 @@ def load_data(seed: int = 0):
 
 def make_optimizer(keras, name: str = "adam", learning_rate: float | None = None,
                    momentum: float = 0.9):
-    """Adam (learning rate 1e-3) or SGD (0.05, with `momentum`)."""
+    """Adam (learning rate 1e-3, `momentum` as its beta_1) or SGD (0.05, with `momentum`)."""
     if name == "adam":
-        return keras.optimizers.Adam(1e-3 if learning_rate is None else learning_rate)
+        return keras.optimizers.Adam(1e-3 if learning_rate is None else learning_rate,
+                                     beta_1=momentum)
     if name == "sgd":
         return keras.optimizers.SGD(0.05 if learning_rate is None else learning_rate,
                                     momentum=momentum)

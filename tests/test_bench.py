@@ -116,6 +116,7 @@ def test_recipe_overrides():
     assert accuracy.recipe_of("sgdm") == accuracy.RECIPES["sgdm"] == ("sgd", 0.05, 0.9)
     assert accuracy.recipe_of("sgdm:lr=0.025") == ("sgd", 0.025, 0.9)
     assert accuracy.recipe_of("sgd:lr=0.5:momentum=0.5") == ("sgd", 0.5, 0.5)
+    assert accuracy.recipe_of("adam:momentum=0") == ("adam", 1e-3, 0.0)   # beta_1
     with pytest.raises(ValueError, match="'rmsprop'.*valid: adam, sgdm, sgd"):
         accuracy.recipe_of("rmsprop")
     with pytest.raises(ValueError, match="'beta=0.9'.*lr=X or momentum=Y"):

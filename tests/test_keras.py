@@ -165,7 +165,7 @@ def test_terngrad_clips_by_the_optimizer_that_applies_the_step(devices, name, bo
     assert ops.compressor.bound == 2.5
     strategy = tf.distribute.MirroredStrategy(devices[:2], cross_device_ops=ops)
     x, _, y, _ = train_digits.load_data(0)
-    optimizer = lambda k: train_digits.make_optimizer(k, name, 1e-3, 0.0)  # noqa: E731
+    optimizer = lambda k: train_digits.make_optimizer(k, name, 1e-3, 0.9)  # noqa: E731
     with strategy.scope():
         model = train_digits.build_model(tf.keras, 0, optimizer)
     model.fit(x[:64], y[:64], batch_size=64, epochs=1, verbose=0)

@@ -13,7 +13,7 @@ reaches `--target_accuracy`. `comm_error` is the mean over the steps of the rela
 compression error the ops report.
 
 Recipes (learning rates where uncompressed training works on all three models):
-  adam  Adam, learning rate 1e-3
+  adam  Adam, learning rate 1e-3 (beta_1 0.9, Keras's default)
   sgdm  SGD, learning rate 0.05, momentum 0.9
   sgd   SGD, learning rate 0.2, no momentum
 
@@ -22,7 +22,8 @@ before the first step; its `sgdm` cell then runs the recipe with the momentum mo
 into the compressor (SGD with momentum 0) and says so in `note`.
 
 `--optimizers` takes recipes with optional overrides, `recipe:lr=X:momentum=Y` (e.g.
-`sgdm:lr=0.025`, `sgd:lr=0.5`), for sensitivity studies around the matrix's recipes.
+`sgdm:lr=0.025`, `sgd:lr=0.5`, `adam:momentum=0` for Adam's beta_1), for sensitivity
+studies around the matrix's recipes.
 
 `--compressors` takes registered names with optional arguments, `name:key=value:...`
 (e.g. `powersgd:rank=16`; `error_feedback=false` turns the default error feedback
@@ -56,8 +57,8 @@ REPLICAS = 4
 BATCH_SIZE = 64
 SEED = 0
 NOT_REACHED = "not reached"
-#: Recipe -> (optimizer, learning rate, momentum).
-RECIPES = {"adam": ("adam", 1e-3, 0.0), "sgdm": ("sgd", 0.05, 0.9), "sgd": ("sgd", 0.2, 0.0)}
+#: Recipe -> (optimizer, learning rate, momentum: SGD's, or Adam's beta_1).
+RECIPES = {"adam": ("adam", 1e-3, 0.9), "sgdm": ("sgd", 0.05, 0.9), "sgd": ("sgd", 0.2, 0.0)}
 COLUMNS = ["model", "optimizer", "mode", "accuracy", "vs_none_pts", "vs_stock_pts",
            "epochs_to_target", "seconds_to_target", "ratio", "comm_error", "note"]
 PLOT = ("mode", "vs_none_pts", "test accuracy - none's (points)", "setting")
@@ -222,7 +223,7 @@ def train_cell(model: str, recipe: str, mode: str, devices: Sequence[str], data,
             # first moment) cannot give theirs up, and the cell says so.
             if "momentum" not in str(e) or attempt:
                 raise
-            if not momentum:
+            if name != "sgd" or not momentum:
                 return _refused(model, recipe, mode, str(e))
             momentum, note = 0.0, "optimizer momentum 0 (the compressor applies momentum)"
     if scale != 1:
