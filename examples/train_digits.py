@@ -37,7 +37,7 @@ def define_flags():
     flags.DEFINE_integer("seed", 0, "Random seed.")
     flags.DEFINE_enum("optimizer", "adam", ["adam", "sgd"], "Optimizer.")
     flags.DEFINE_float("learning_rate", None, "Learning rate (default: adam 1e-3, sgd 0.05, "
-                       "times the compressor's learning_rate_scale).")
+                       "as the compressor adapts it: CompressedAllReduce.adapt_optimizer).")
     flags.DEFINE_float("momentum", 0.9, "SGD momentum, or Adam's beta_1 (0 for compressors "
                        "that apply their own, such as dgc).")
     flags.DEFINE_string("tensorboard_dir", None, "Write the monitor's scalars for TensorBoard.")
@@ -219,12 +219,10 @@ def main(argv):
 
     def optimizer(keras):
         opt = make_optimizer(keras, FLAGS.optimizer, FLAGS.learning_rate, FLAGS.momentum)
-        scale = ops.learning_rate_scale(opt)
-        if FLAGS.learning_rate is None and scale != 1:
-            # The default rate as the compressor advises: larger under Adam for the
-            # sparse payloads (CompressedAllReduce.learning_rate_scale).
-            lr = opt.get_config()["learning_rate"] * scale
-            opt = make_optimizer(keras, FLAGS.optimizer, lr, FLAGS.momentum)
+        if FLAGS.learning_rate is None:
+            # The default recipe as the compressor advises: under Adam, sparse payloads
+            # train at a larger rate and without a first moment.
+            opt = ops.adapt_optimizer(opt)
         return opt
     print(f"{FLAGS.model} on {strategy.num_replicas_in_sync} replicas, {ops.compressor!r}")
     start = time.perf_counter()

@@ -430,6 +430,47 @@ def test_learning_rate_scale_of_wrappers():
         adam) == pytest.approx(5.0)
 
 
+def test_adapt_optimizer_scales_the_rate_and_drops_the_first_moment():
+    ops = gs.CompressedAllReduce("topk")
+    adam = tf.keras.optimizers.Adam(1e-3, beta_2=0.99)
+    adapted = ops.adapt_optimizer(adam)
+    config = adapted.get_config()
+    assert type(adapted) is type(adam) and adapted is not adam
+    assert config["learning_rate"] == pytest.approx(1e-3 * 10 ** 0.5)
+    assert config["beta_1"] == 0.0 and config["beta_2"] == pytest.approx(0.99)
+    assert adam.get_config()["beta_1"] == pytest.approx(0.9)     # the original is kept
+    with warnings.catch_warnings():     # already adapted: no advice at the first step
+        warnings.simplefilter("error")
+        ops.compressor.check_optimizer(adapted)
+    assert ops.adapt_optimizer("adam").get_config()["beta_1"] == 0.0
+    rms = ops.adapt_optimizer(tf.keras.optimizers.RMSprop(1e-3))   # no first moment
+    assert rms.get_config()["learning_rate"] == pytest.approx(1e-3 * 10 ** 0.5)
+    # Nothing to change: the optimizer itself.
+    sgdm = tf.keras.optimizers.SGD(0.05, momentum=0.9)
+    assert ops.adapt_optimizer(sgdm) is sgdm
+    assert gs.CompressedAllReduce("int8").adapt_optimizer(adam) is adam
+    schedule = tf.keras.optimizers.schedules.ExponentialDecay(1e-3, 100, 0.9)
+    with pytest.raises(ValueError, match=r"3.16x its learning rate.*not a number.*beta_1=0"):
+        ops.adapt_optimizer(tf.keras.optimizers.Adam(schedule))
+
+
+def test_adapt_optimizer_under_tf_keras():
+    import subprocess
+    import sys
+    script = ("import tensorflow as tf, tf_gradsync as gs\n"
+              "o = gs.CompressedAllReduce('topk').adapt_optimizer(tf.keras.optimizers.Adam(1e-3))\n"
+              "c = o.get_config()\n"
+              "print('RESULT', type(o).__module__, c['learning_rate'], c['beta_1'])\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, TF_USE_LEGACY_KERAS="1", TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=root)
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    _, module, lr, beta_1 = [l for l in out.stdout.splitlines() if l.startswith("RESULT")][-1].split()
+    assert module.startswith("tf_keras") and float(lr) == pytest.approx(1e-3 * 10 ** 0.5)
+    assert float(beta_1) == 0.0
+
+
 def test_a_sparse_payload_warns_an_adaptive_optimizer():
     with pytest.warns(UserWarning, match=r"TopK\(ratio=0.01\) sends an entry about every 10 "
                                          r"steps and Adam .* 3.16x"):

@@ -141,13 +141,27 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
         """The factor by which to multiply the learning rate that `optimizer` trains
         with uncompressed: 1.0, except for optimizers that divide by a running root mean
         square (Adam and its kin) with compressors whose entries wait K steps between
-        sends, sqrt(K) (see `Compressor.learning_rate_scale`).
+        sends, sqrt(K) (see `Compressor.learning_rate_scale`); `adapt_optimizer`
+        applies it.
 
         Example:
           >>> ops = tf_gradsync.CompressedAllReduce("topk")
           >>> optimizer = tf.keras.optimizers.Adam(1e-3 * ops.learning_rate_scale("adam"))
         """
         return self._compressor.learning_rate_scale(optimizer)
+
+    def adapt_optimizer(self, optimizer):
+        """`optimizer` rebuilt as this compressor trains best with: for payloads whose
+        entries wait K steps, under Adam and its kin, sqrt(K) times the learning rate and
+        no first moment (`beta_1=0`); unchanged otherwise (see
+        `Compressor.adapt_optimizer`).
+
+        Example:
+          >>> ops = tf_gradsync.CompressedAllReduce("topk")
+          >>> with strategy.scope():
+          ...     model.compile(optimizer=ops.adapt_optimizer(tf.keras.optimizers.Adam(1e-3)))
+        """
+        return self._compressor.adapt_optimizer(optimizer)
 
     def stats(self) -> dict[str, float]:
         """Communication counters; see `tf_gradsync.stats.Stats.as_dict`."""

@@ -16,6 +16,9 @@ Recipes (learning rates where uncompressed training works on all three models):
   adam  Adam, learning rate 1e-3 (beta_1 0.9, Keras's default)
   sgdm  SGD, learning rate 0.05, momentum 0.9
   sgd   SGD, learning rate 0.2, no momentum
+each as the compressor adapts it (`CompressedAllReduce.adapt_optimizer`: under Adam,
+sparse payloads train at sqrt(K) times the rate and with beta_1 0; the row's `note`
+says so).
 
 A compressor that applies momentum itself (dgc) refuses an optimizer with momentum
 before the first step; its `sgdm` cell then runs the recipe with the momentum moved
@@ -198,21 +201,21 @@ def train_cell(model: str, recipe: str, mode: str, devices: Sequence[str], data,
     note = ""
     for attempt in range(2):
         ops = None if mode == "stock" else ops_from_spec(mode)
-        # The recipe's learning rate as the library advises for this compressor
-        # (`learning_rate_scale`: larger under Adam for sparse payloads).
-        scale = 1.0 if ops is None else ops.learning_rate_scale(name)
+        # The recipe's optimizer as the library advises for this compressor
+        # (`adapt_optimizer`: under Adam, sparse payloads train at a larger rate and
+        # without a first moment).
+        adapt = (lambda o: o) if ops is None else ops.adapt_optimizer
         strategy = tf.distribute.MirroredStrategy(list(devices), cross_device_ops=ops)
         x_train, x_test, y_train, y_test = data
         with strategy.scope():
             net = digits.build_model(
                 tf.keras, SEED,
-                lambda k, m=momentum: digits.make_optimizer(k, name, lr * scale, m), model)
+                lambda k, m=momentum: adapt(digits.make_optimizer(k, name, lr, m)), model)
+        changed = _changes(net.optimizer, digits.make_optimizer(tf.keras, name, lr, momentum))
         mirror = digits.build_model(tf.keras, SEED, None, model)
         clock = _Clock(ops, mirror, x_test, y_test, validate_every_epoch, track_error)
         try:
             with warnings.catch_warnings():
-                # The rate is already scaled: the first step's advice would only repeat it.
-                warnings.filterwarnings("ignore", message=".*learning_rate_scale")
                 net.fit(digits.batches(x_train, y_train, BATCH_SIZE), epochs=epochs,
                         steps_per_epoch=digits.steps_per_epoch(len(x_train), BATCH_SIZE),
                         shuffle=False, callbacks=[clock], verbose=0)
@@ -226,8 +229,8 @@ def train_cell(model: str, recipe: str, mode: str, devices: Sequence[str], data,
             if name != "sgd" or not momentum:
                 return _refused(model, recipe, mode, str(e))
             momentum, note = 0.0, "optimizer momentum 0 (the compressor applies momentum)"
-    if scale != 1:
-        note = f"learning rate x{scale:.3g} (learning_rate_scale)"
+    if changed:
+        note = changed
     accs = clock.accuracies
     if validate_every_epoch:
         epochs_to, seconds_to = time_to_target(accs, clock.at_epoch, target)
@@ -243,6 +246,17 @@ def train_cell(model: str, recipe: str, mode: str, devices: Sequence[str], data,
         row["ratio"] = s["last_bytes_dense"] / max(s["last_bytes_sent"], 1)
         row["comm_error"] = float(np.mean(clock.errors)) if clock.errors else None
     return row
+
+
+def _changes(adapted, original) -> str:
+    """What `adapt_optimizer` changed, for a row's note ("" when nothing)."""
+    a, o = adapted.get_config(), original.get_config()
+    parts = []
+    if a["learning_rate"] != o["learning_rate"]:
+        parts.append(f"learning rate x{a['learning_rate'] / o['learning_rate']:.3g}")
+    if a.get("beta_1") != o.get("beta_1"):
+        parts.append(f"beta_1 {a.get('beta_1'):g}")
+    return ", ".join(parts) + " (adapt_optimizer)" if parts else ""
 
 
 def _refused(model: str, recipe: str, mode: str, reason: str) -> dict:
