@@ -445,6 +445,14 @@ def test_adapt_optimizer_scales_the_rate_and_drops_the_first_moment():
     assert ops.adapt_optimizer("adam").get_config()["beta_1"] == 0.0
     rms = ops.adapt_optimizer(tf.keras.optimizers.RMSprop(1e-3))   # no first moment
     assert rms.get_config()["learning_rate"] == pytest.approx(1e-3 * 10 ** 0.5)
+    # Random-k at 50%: entries wait K = 2 steps, within half of Adam's window of 10
+    # steps, so the first moment stays; a shorter window (beta_1 0.5) goes.
+    randomk = gs.CompressedAllReduce("randomk")
+    kept = randomk.adapt_optimizer(adam).get_config()
+    assert kept["learning_rate"] == pytest.approx(1e-3 * 2 ** 0.5)
+    assert kept["beta_1"] == pytest.approx(0.9)
+    short = randomk.adapt_optimizer(tf.keras.optimizers.Adam(1e-3, beta_1=0.5))
+    assert short.get_config()["beta_1"] == 0.0
     # Nothing to change: the optimizer itself.
     sgdm = tf.keras.optimizers.SGD(0.05, momentum=0.9)
     assert ops.adapt_optimizer(sgdm) is sgdm

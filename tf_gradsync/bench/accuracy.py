@@ -17,8 +17,8 @@ Recipes (learning rates where uncompressed training works on all three models):
   sgdm  SGD, learning rate 0.05, momentum 0.9
   sgd   SGD, learning rate 0.2, no momentum
 each as the compressor adapts it (`CompressedAllReduce.adapt_optimizer`: under Adam,
-sparse payloads train at sqrt(K) times the rate and with beta_1 0; the row's `note`
-says so).
+sparse payloads train at sqrt(K) times the rate, and with beta_1 0 where entries wait
+long; the row's `note` says so).
 
 A compressor that applies momentum itself (dgc) refuses an optimizer with momentum
 before the first step; its `sgdm` cell then runs the recipe with the momentum moved
