@@ -453,12 +453,18 @@ def test_adapt_optimizer_scales_the_rate_and_drops_the_first_moment():
     assert kept["beta_1"] == pytest.approx(0.9)
     short = randomk.adapt_optimizer(tf.keras.optimizers.Adam(1e-3, beta_1=0.5))
     assert short.get_config()["beta_1"] == 0.0
+    # SGD's heavy ball goes, at its long-run step: the rate / (1 - momentum).
+    sgdm = tf.keras.optimizers.SGD(0.05, momentum=0.9, nesterov=True)
+    plain = ops.adapt_optimizer(sgdm).get_config()
+    assert plain["learning_rate"] == pytest.approx(0.5)
+    assert plain["momentum"] == 0.0 and plain["nesterov"] is False
+    assert randomk.adapt_optimizer(sgdm) is sgdm                       # K = 2
     # Nothing to change: the optimizer itself.
-    sgdm = tf.keras.optimizers.SGD(0.05, momentum=0.9)
-    assert ops.adapt_optimizer(sgdm) is sgdm
+    sgd = tf.keras.optimizers.SGD(0.2)
+    assert ops.adapt_optimizer(sgd) is sgd
     assert gs.CompressedAllReduce("int8").adapt_optimizer(adam) is adam
     schedule = tf.keras.optimizers.schedules.ExponentialDecay(1e-3, 100, 0.9)
-    with pytest.raises(ValueError, match=r"3.16x its learning rate.*not a number.*beta_1=0"):
+    with pytest.raises(ValueError, match=r"3.16x its learning rate.*not a number.*beta_1"):
         ops.adapt_optimizer(tf.keras.optimizers.Adam(schedule))
 
 
@@ -481,12 +487,17 @@ def test_adapt_optimizer_under_tf_keras():
 
 def test_a_sparse_payload_warns_an_adaptive_optimizer():
     with pytest.warns(UserWarning, match=r"TopK\(ratio=0.01\) sends an entry about every 10 "
-                                         r"steps and Adam .* 3.16x"):
+                                         r"steps; with Adam it trains best at 3.16x the "
+                                         r"learning rate, beta_1=0.0 .*adapt_optimizer"):
         C.ErrorFeedback("topk").check_optimizer(tf.keras.optimizers.Adam())
+    with pytest.warns(UserWarning, match=r"with SGD it trains best at 10x the learning rate, "
+                                         r"momentum=0.0"):
+        C.ErrorFeedback("topk").check_optimizer(tf.keras.optimizers.SGD(momentum=0.9))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        C.ErrorFeedback("topk").check_optimizer(tf.keras.optimizers.SGD(momentum=0.9))
+        C.ErrorFeedback("topk").check_optimizer(tf.keras.optimizers.SGD())
         C.get("int8").check_optimizer(tf.keras.optimizers.Adam())
+        C.get("randomk").check_optimizer(tf.keras.optimizers.SGD(momentum=0.9))   # K = 2
 
 
 _ADAM_STEPS, _ADAM_N = 300, 2000
@@ -967,7 +978,10 @@ def test_warmup_before_a_sparse_payload_warns_sgd_with_momentum():
         C.Warmup(C.ErrorFeedback("topk"), steps=300).check_optimizer(tf.keras.optimizers.SGD(0.2))
         C.Warmup(C.ErrorFeedback("sign"), steps=300).check_optimizer(sgdm)   # every entry
         C.Warmup(C.get("powersgd"), steps=300).check_optimizer(sgdm)
+    with warnings.catch_warnings(record=True) as caught:    # only the advice to adapt
+        warnings.simplefilter("always")
         C.Warmup(C.ErrorFeedback("topk"), steps=0).check_optimizer(sgdm)
+    assert caught and not any("warmup_steps" in str(w.message) for w in caught)
 
 
 def test_ops_warmup_steps():

@@ -152,9 +152,9 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
 
     def adapt_optimizer(self, optimizer):
         """`optimizer` rebuilt as this compressor trains best with: for payloads whose
-        entries wait K steps, under Adam and its kin, sqrt(K) times the learning rate and,
-        where K is long, no first moment (`beta_1=0`); unchanged otherwise (see
-        `Compressor.adapt_optimizer`).
+        entries wait K steps, under Adam and its kin sqrt(K) times the learning rate, and
+        where K is long no momentum (Adam's `beta_1=0`; SGD's `momentum=0` at the rate
+        / (1 - momentum)); unchanged otherwise (see `Compressor.adapt_optimizer`).
 
         Example:
           >>> ops = tf_gradsync.CompressedAllReduce("topk")

@@ -16,9 +16,10 @@ Recipes (learning rates where uncompressed training works on all three models):
   adam  Adam, learning rate 1e-3 (beta_1 0.9, Keras's default)
   sgdm  SGD, learning rate 0.05, momentum 0.9
   sgd   SGD, learning rate 0.2, no momentum
-each as the compressor adapts it (`CompressedAllReduce.adapt_optimizer`: under Adam,
-sparse payloads train at sqrt(K) times the rate, and with beta_1 0 where entries wait
-long; the row's `note` says so).
+each as the compressor adapts it (`CompressedAllReduce.adapt_optimizer`: sparse
+payloads train under Adam at sqrt(K) times the rate, and where entries wait long
+without momentum: Adam with beta_1 0, SGD with momentum 0 at 10 times the rate; the
+row's `note` says so).
 
 A compressor that applies momentum itself (dgc) refuses an optimizer with momentum
 before the first step; its `sgdm` cell then runs the recipe with the momentum moved
@@ -254,8 +255,9 @@ def _changes(adapted, original) -> str:
     parts = []
     if a["learning_rate"] != o["learning_rate"]:
         parts.append(f"learning rate x{a['learning_rate'] / o['learning_rate']:.3g}")
-    if a.get("beta_1") != o.get("beta_1"):
-        parts.append(f"beta_1 {a.get('beta_1'):g}")
+    for key in ("beta_1", "momentum"):
+        if a.get(key) != o.get(key):
+            parts.append(f"{key} {a.get(key):g}")
     return ", ".join(parts) + " (adapt_optimizer)" if parts else ""
 
 

@@ -436,19 +436,24 @@ class Compressor(abc.ABC):
     def adapt_optimizer(self, optimizer: Any) -> Any:
         """`optimizer` rebuilt to train with this compressor as it would uncompressed.
 
-        Where `learning_rate_scale` is above 1 (a payload whose entries wait K steps
-        between sends, under an optimizer that divides by a running root mean square),
-        the copy trains at that many times the learning rate, and without a first
-        moment (`beta_1=0`, where the optimizer has one) when K is at least half the
-        moment's window 1 / (1 - beta_1). Error feedback already accumulates what an
-        entry missed and delivers it in one burst; a first moment spanning a burst
-        spreads it over later steps and delays the entry's motion further, which made
-        training noisy: on the convergence matrix (BENCHMARKS.md) top-k at 1% (K = 10)
-        under Adam at the scaled rate ended 3.3 points below uncompressed training on
-        the MLP and read 0.70 on the CNN in its sixth epoch; without the first moment
-        it ended 0.8 below and 1.1 above. Random-k at 50% (K = 2, within Adam's window
-        of 10 steps) trained better with it (the residual network 1.4 points below
-        without it, 0.5 above with it). Otherwise `optimizer` itself is returned.
+        For a payload whose entries wait K steps between sends (`send_interval`):
+        under an optimizer that divides by a running root mean square, the copy trains
+        at `learning_rate_scale` (sqrt(K)) times the learning rate; and where K is at
+        least half the window 1 / (1 - beta) of the optimizer's momentum, the momentum
+        goes: Adam's first moment (`beta_1=0`), or SGD's and RMSprop's heavy ball
+        (`momentum=0`, `nesterov=False`, the learning rate 1 / (1 - momentum) times
+        larger, the long-run step of the momentum). Error feedback already
+        accumulates what an entry missed and delivers it in one burst; a momentum
+        spanning bursts spreads each over later steps and delays the entry's motion
+        further. Measured on the convergence matrix (BENCHMARKS.md), top-k at 1%
+        (K = 10): under Adam at the scaled rate 3.3 points below uncompressed training
+        on the MLP and 0.70 on the CNN in its sixth epoch, adapted 0.8 below and 1.1
+        above; under SGD with momentum 0.9, 1.4 below on the MLP and the residual
+        network (95% at epochs 11 and 13), adapted 0.0 and 1.1 below (epochs 4 and
+        6), and adaptive's late descent to 1% on the MLP cost 10.6 points with the
+        momentum and none without. Random-k at 50% (K = 2) keeps the momentum, with
+        which it trained better (the residual network under Adam 1.4 below without,
+        0.5 above with). Otherwise `optimizer` itself is returned.
 
         Args:
           optimizer: a Keras optimizer (Keras 3 or tf_keras), or its name.
@@ -458,31 +463,43 @@ class Compressor(abc.ABC):
 
         Raises:
           ValueError: for a learning rate that is not a number (a schedule: scale its
-            rates by `learning_rate_scale` yourself).
+            rates yourself).
 
         Example:
           >>> ops = tf_gradsync.CompressedAllReduce("topk")
-          >>> opt = ops.adapt_optimizer(tf.keras.optimizers.Adam(1e-3))   # 3.16e-3, beta_1 0
+          >>> ops.adapt_optimizer(tf.keras.optimizers.Adam(1e-3))     # 3.16e-3, beta_1 0
+          >>> ops.adapt_optimizer(tf.keras.optimizers.SGD(0.05, momentum=0.9))  # 0.5, momentum 0
         """
         if isinstance(optimizer, str):
             optimizer = tf.keras.optimizers.get(optimizer)
-        scale = self.learning_rate_scale(optimizer)
-        if scale == 1:
+        factor, changes = self._optimizer_changes(optimizer)
+        if factor == 1 and not changes:
             return optimizer
         config = optimizer_config(optimizer)
         lr = config.get("learning_rate")
         if not isinstance(lr, numbers.Real) or isinstance(lr, bool):
             raise ValueError(
-                f"{self!r} trains {type(optimizer).__name__} at {scale:.3g}x its learning rate, "
-                f"but the rate is {lr!r}, not a number: multiply a schedule's rates by "
-                f"{scale:.3g} (learning_rate_scale) and set beta_1=0 yourself")
-        config["learning_rate"] = float(lr) * scale
-        beta_1 = config.get("beta_1")
-        if beta_1 and self.send_interval() >= 0.5 / (1 - beta_1):
-            config["beta_1"] = 0.0
+                f"{self!r} trains {type(optimizer).__name__} at {factor:.3g}x its learning "
+                f"rate with {changes}, but the rate is {lr!r}, not a number: multiply a "
+                f"schedule's rates by {factor:.3g} and set {changes} yourself")
+        config.update(changes, learning_rate=float(lr) * factor)
         adapted = type(optimizer).from_config(config)
         setattr(adapted, _ADAPTED, True)
         return adapted
+
+    def _optimizer_changes(self, optimizer: Any) -> tuple[float, dict]:
+        """`adapt_optimizer`'s learning-rate factor and config changes for `optimizer`."""
+        factor = self.learning_rate_scale(optimizer)
+        config, k, changes = optimizer_config(optimizer), self.send_interval(), {}
+        beta_1, momentum = config.get("beta_1"), config.get("momentum")
+        if divides_by_rms(optimizer) and _positive(beta_1) and k >= 0.5 / (1 - beta_1):
+            changes["beta_1"] = 0.0
+        if _positive(momentum) and momentum < 1 and k >= 0.5 / (1 - momentum):
+            changes["momentum"] = 0.0
+            factor /= 1 - momentum
+            if config.get("nesterov"):
+                changes["nesterov"] = False
+        return factor, changes
 
     def check_optimizer(self, optimizer: Any) -> None:
         """Raises ValueError when this compressor cannot train with `optimizer`.
@@ -490,19 +507,22 @@ class Compressor(abc.ABC):
         Called once per traced synchronisation with the Keras optimizer applying the
         gradients (when one can be found), before anything is compressed; a
         compressor whose best setting depends on the optimizer settles it here
-        (TernGrad's clipping bound). By default it warns when the optimizer
-        needs a larger learning rate (`learning_rate_scale`), unless it came from
-        `adapt_optimizer`, since it cannot tell whether the user's rate was scaled.
+        (TernGrad's clipping bound). By default it warns when `adapt_optimizer` would
+        change the optimizer and it did not come from there, since it cannot tell
+        whether the user's settings already account for the compressor.
         """
-        scale = self.learning_rate_scale(optimizer)
-        if scale > 1 and not getattr(optimizer, _ADAPTED, False):
+        factor, changes = self._optimizer_changes(optimizer)
+        if (factor != 1 or changes) and not getattr(optimizer, _ADAPTED, False):
+            what = ", ".join([f"{factor:.3g}x the learning rate"] * (factor != 1) +
+                             [f"{k}={v}" for k, v in changes.items()])
             warnings.warn(
-                f"{self!r} sends an entry about every {self.send_interval():.3g} steps and "
-                f"{type(optimizer).__name__} divides by a running root mean square, which "
-                f"slows training by about {scale:.3g}x: train with {scale:.3g}x the "
-                "learning rate of uncompressed training and beta_1=0 "
-                "(CompressedAllReduce.adapt_optimizer(optimizer) does both), or use a "
-                "compressor that sends every entry (int8, qsgd, sign, powersgd)", stacklevel=2)
+                f"{self!r} sends an entry about every {self.send_interval():.3g} steps; with "
+                f"{type(optimizer).__name__} it trains best at {what} "
+                "(CompressedAllReduce.adapt_optimizer(optimizer) rebuilds it so): error "
+                "feedback delivers an entry's missed steps in bursts, which an optimizer "
+                "dividing by a running root mean square slows and a momentum delays "
+                "further. Or use a compressor that sends every entry (int8, qsgd, sign, "
+                "powersgd)", stacklevel=2)
 
     def check_input(self, x: tf.Tensor) -> None:
         """Raises ValueError for input this compressor cannot handle."""
@@ -566,6 +586,11 @@ class Wrapper(Compressor):
 #: Optimizer settings of a running mean square the update is divided by: Adam's kin
 #: (beta_2), RMSprop and Adadelta (rho), Adagrad (its accumulator).
 _MEAN_SQUARE = ("beta_2", "rho", "initial_accumulator_value")
+
+
+def _positive(value: Any) -> bool:
+    """Whether an optimizer setting is a number above 0."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and value > 0
 
 
 #: Attribute `Compressor.adapt_optimizer` sets on the optimizers it builds.
