@@ -56,6 +56,8 @@ def main(argv):
         with strategy.scope():
             work = models.build(FLAGS.model, FLAGS.batch, image_size=FLAGS.image_size)
             opt = tf.keras.optimizers.SGD(0.01, momentum=0.9)
+            if ops is not None:     # as the compressor trains best (sparse: no momentum)
+                opt = ops.adapt_optimizer(opt)
     step = work.train_step(strategy, opt)
     step().numpy()     # traces
     times = []

@@ -55,6 +55,9 @@ flags.DEFINE_integer("accuracy_epochs", 10, "accuracy: training epochs.")
 flags.DEFINE_float("target_accuracy", 0.95, "accuracy: test accuracy for time-to-accuracy.")
 flags.DEFINE_list("models", ["mlp", "cnn", "resnet"], "accuracy: architectures.")
 flags.DEFINE_list("optimizers", ["adam", "sgdm", "sgd"], "accuracy: optimizer recipes.")
+flags.DEFINE_bool("adapt_optimizer", True, "accuracy: train with each recipe's optimizer as "
+                  "the compressor adapts it (CompressedAllReduce.adapt_optimizer); "
+                  "--noadapt_optimizer: as the recipe gives it.")
 FLAGS = flags.FLAGS
 
 REPLICAS = 4
@@ -176,7 +179,7 @@ class _Clock(tf.keras.callbacks.Callback):
 
 def train_cell(model: str, recipe: str, mode: str, devices: Sequence[str], data,
                epochs: int, target: float, validate_every_epoch: bool = True,
-               track_error: bool = True) -> dict:
+               track_error: bool = True, adapt: bool = True) -> dict:
     """Trains one cell of the matrix.
 
     Args:
@@ -190,6 +193,8 @@ def train_cell(model: str, recipe: str, mode: str, devices: Sequence[str], data,
       validate_every_epoch: test after every epoch (for epochs and seconds to the
         target); False: only after the last.
       track_error: read the compression error after every step (for `comm_error`).
+      adapt: build the optimizer through the ops' `adapt_optimizer` (False: the
+        recipe's optimizer as it is).
 
     Returns:
       A row: `accuracy` (final test accuracy), `accuracies` (per epoch),
@@ -205,13 +210,13 @@ def train_cell(model: str, recipe: str, mode: str, devices: Sequence[str], data,
         # The recipe's optimizer as the library advises for this compressor
         # (`adapt_optimizer`: under Adam, sparse payloads train at a larger rate and
         # without a first moment).
-        adapt = (lambda o: o) if ops is None else ops.adapt_optimizer
+        adapt_fn = ops.adapt_optimizer if ops is not None and adapt else (lambda o: o)
         strategy = tf.distribute.MirroredStrategy(list(devices), cross_device_ops=ops)
         x_train, x_test, y_train, y_test = data
         with strategy.scope():
             net = digits.build_model(
                 tf.keras, SEED,
-                lambda k, m=momentum: adapt(digits.make_optimizer(k, name, lr, m)), model)
+                lambda k, m=momentum: adapt_fn(digits.make_optimizer(k, name, lr, m)), model)
         changed = _changes(net.optimizer, digits.make_optimizer(tf.keras, name, lr, momentum))
         mirror = digits.build_model(tf.keras, SEED, None, model)
         clock = _Clock(ops, mirror, x_test, y_test, validate_every_epoch, track_error)
@@ -270,7 +275,8 @@ def _refused(model: str, recipe: str, mode: str, reason: str) -> dict:
 
 
 def compare(modes: Sequence[str], devices: Sequence[str], epochs: int, target: float,
-            models: Sequence[str] = ("mlp",), recipes: Sequence[str] = ("adam",)) -> list[dict]:
+            models: Sequence[str] = ("mlp",), recipes: Sequence[str] = ("adam",),
+            adapt: bool = True) -> list[dict]:
     """Trains every mode in every (model, recipe) setting; adds deltas in accuracy points.
 
     Returns:
@@ -295,7 +301,8 @@ def compare(modes: Sequence[str], devices: Sequence[str], epochs: int, target: f
             cell = []
             for mode in modes:
                 print(f"[bench] accuracy {model} {recipe} {mode}", file=sys.stderr, flush=True)
-                cell.append(train_cell(model, recipe, mode, devices, data, epochs, target))
+                cell.append(train_cell(model, recipe, mode, devices, data, epochs, target,
+                                       adapt=adapt))
                 # Each cell as it ends: a long matrix keeps what it has measured.
                 print("[bench] row " + json.dumps(cell[-1]), file=sys.stderr, flush=True)
             ref = {r["mode"]: r["accuracy"] for r in cell if r["mode"] in ("stock", "none")}
@@ -344,6 +351,6 @@ def run() -> tuple[list[dict], list[str]]:
     devices = gs.logical_cpus(REPLICAS)
     modes = FLAGS.compressors or ["none", *(n for n in gs.compression.names() if n != "none")]
     rows = compare(modes, devices, FLAGS.accuracy_epochs, FLAGS.target_accuracy,
-                   FLAGS.models, FLAGS.optimizers)
+                   FLAGS.models, FLAGS.optimizers, FLAGS.adapt_optimizer)
     print(matrix_table(rows), file=sys.stderr, flush=True)
     return rows, COLUMNS
