@@ -477,7 +477,7 @@ class Compressor(abc.ABC):
             return optimizer
         config = optimizer_config(optimizer)
         lr = config.get("learning_rate")
-        if not isinstance(lr, numbers.Real) or isinstance(lr, bool):
+        if not _number(lr):
             raise ValueError(
                 f"{self!r} trains {type(optimizer).__name__} at {factor:.3g}x its learning "
                 f"rate with {changes}, but the rate is {lr!r}, not a number: multiply a "
@@ -588,9 +588,14 @@ class Wrapper(Compressor):
 _MEAN_SQUARE = ("beta_2", "rho", "initial_accumulator_value")
 
 
+def _number(value: Any) -> bool:
+    """Whether an optimizer setting is a plain number (not a bool, schedule or tensor)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
 def _positive(value: Any) -> bool:
     """Whether an optimizer setting is a number above 0."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool) and value > 0
+    return _number(value) and value > 0
 
 
 #: Attribute `Compressor.adapt_optimizer` sets on the optimizers it builds.
@@ -615,7 +620,7 @@ def optimizer_momentum(optimizer: Any) -> tuple[str, float]:
     config = optimizer_config(optimizer)
     for name in ("momentum", "beta_1"):
         value = config.get(name)
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and value:
+        if _positive(value):
             return name, float(value)
     return "momentum", 0.0
 
