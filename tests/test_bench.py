@@ -239,3 +239,30 @@ def test_passes_counts_the_data_path_from_the_graph(devices):
     fp16, fp16_off = count("fp16"), count("fp16", measure_error=False)
     assert fp16["total"] > fp16_off["total"] > none["total"]
     assert fp16["unknown"] == 0
+
+
+def test_mean_over_seeds():
+    from tf_gradsync.bench import accuracy
+    runs = [{"seed": s, "accuracy": c[-1], "accuracies": c, "at_epoch": t, "train_s": t[-1],
+             "bytes_per_step": b, "ratio": 4.0, "comm_error": e, "epochs_to_target": None}
+            for s, c, t, b, e in ((0, [0.80, 0.90, 0.96], [1.0, 2.0, 3.0], 100, 0.1),
+                                  (1, [0.90, 0.96, 0.98], [2.0, 3.0, 5.0], 100, 0.3))]
+    row = accuracy.mean_row(runs, target=0.95)
+    assert row["accuracy"] == pytest.approx(0.97) and row["seed_accuracies"] == [0.96, 0.98]
+    assert row["accuracies"] == pytest.approx([0.85, 0.93, 0.97])
+    assert row["accuracy_std"] == pytest.approx(0.01) and row["seeds"] == [0, 1]
+    # Time to target from the mean curve: 0.95 is first reached at epoch 3, at 4.0 s.
+    assert (row["epochs_to_target"], row["seconds_to_target"]) == (3, 4.0)
+    assert row["comm_error"] == pytest.approx(0.2) and "seed" not in row
+    assert accuracy.mean_row(runs[:1], 0.95) is runs[0]
+
+
+def test_accuracy_seeds(devices):
+    from tf_gradsync.bench import accuracy
+    data = accuracy.train_digits().load_data(accuracy.SEED)
+    one = [accuracy.train_cell("mlp", "sgd", "none", devices, data, 1, 0.0, seed=s)
+           for s in (0, 1)]
+    assert one[0]["accuracy"] != one[1]["accuracy"]     # the seed sets the initial weights
+    both = accuracy.compare(["none"], devices, 1, 0.0, recipes=["sgd"], seeds=(0, 1))[0]
+    assert both["seed_accuracies"] == [r["accuracy"] for r in one]
+    assert both["accuracy"] == pytest.approx(np.mean(both["seed_accuracies"]))
