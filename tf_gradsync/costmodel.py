@@ -204,10 +204,16 @@ def predict(compressor: Compressor | str, payloads: Sequence[BucketPayload], exc
     return Prediction(c.name, exchange, sent, wire, codec, compute_s, compute_s + exposed)
 
 
-def roundtrip_fn(compressor: Compressor, layout: Layout):
+def roundtrip_fn(compressor: Compressor, layout: Layout, replicas: int = 1,
+                 measure_error: bool = False):
     """A tf.function running one compress + decompress of a bucket laid out as `layout`
     (one replica, every round through the protocol driver, state kept between calls);
-    it returns the result and the payload bytes sent."""
+    it returns the result and the payload bytes sent.
+
+    With `replicas` > 1 and `measure_error` it runs the whole data path a bucket takes
+    in a step of that many replicas (prescale, compress with error feedback, decode, the
+    mean, the compression error), its own payload standing in for the others'.
+    """
     state = {name: _tf_compat.plain_variable(lambda s=spec: s.initializer(s.shape, s.dtype),
                                              name=name)
              for name, spec in compressor.state_spec(layout).items()}
@@ -222,9 +228,12 @@ def roundtrip_fn(compressor: Compressor, layout: Layout):
     @tf.function
     def run(x):
         ctx = Context(state=state, step=step.read_value(), seed=tf.stack([step, 7]),
-                      layout=layout)
-        outcome = driver.run(compressor, [x], [ctx], exchange)
+                      layout=layout, num_replicas=replicas)
+        outcome = driver.run(compressor, [x], [ctx], exchange, mean=replicas > 1,
+                             measure_error=measure_error)
         step.assign_add(1)
+        if measure_error:     # as the stats read it, so that it is computed
+            return outcome.results[0], outcome.bytes, outcome.error_sq, outcome.norm_sq
         return outcome.results[0], outcome.bytes
     return run
 
@@ -252,15 +261,27 @@ def median_seconds(fn, repeats: int) -> tuple[float, object]:
     return float(np.median(times)), first
 
 
-def measure_throughput(compressor: Compressor | str, numel: int, repeats: int = 5) -> dict:
+def measure_throughput(compressor: Compressor | str, numel: int, repeats: int = 5,
+                       data_path: bool = False) -> dict:
     """Times compress + decompress of `numel` float32 elements (one weight matrix) on
     this machine's current threads: `{"seconds": median, "bytes_per_s": of input,
-    "payload_bytes": sent}`."""
+    "payload_bytes": sent}`.
+
+    Args:
+      compressor: a name or instance.
+      numel: elements of the matrix.
+      repeats: timed calls (after one untimed).
+      data_path: time what a step does around the codec too (`roundtrip_fn` with two
+        replicas and the error measurement): the throughput the cost model prices a
+        step with. False: the codec alone (the micro benchmark's figure).
+    """
     compressor = get(compressor)
     x = tf.random.stateless_normal([numel], (1, 2))
-    run = roundtrip_fn(compressor, Layout((matrix_shape(numel),)))
-    sec, (_, sent) = median_seconds(lambda: run(x), repeats)
-    return {"seconds": sec, "bytes_per_s": numel * 4 / sec, "payload_bytes": int(sent)}
+    layout = Layout((matrix_shape(numel),))
+    run = (roundtrip_fn(compressor, layout, replicas=2, measure_error=True) if data_path
+           else roundtrip_fn(compressor, layout))
+    sec, first = median_seconds(lambda: run(x), repeats)
+    return {"seconds": sec, "bytes_per_s": numel * 4 / sec, "payload_bytes": int(first[1])}
 
 __all__ = ["BucketPayload", "DECODE_SHARE", "DEFAULT_THROUGHPUT", "Prediction", "THROUGHPUT",
            "bucket_rounds", "exchanges_for", "matrix_shape", "measure_throughput", "median_seconds",

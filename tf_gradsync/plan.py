@@ -144,12 +144,13 @@ def calibrate_compute(model: str | None, params: int | None, batch: int, repeats
 
 
 def calibrate_throughput(specs: Sequence[str], numel: int = CALIBRATE_NUMEL) -> dict[str, float]:
-    """Compress + decompress bytes of float32 input per second with this process's
-    threads, per compressor spec, as `CompressedAllReduce` builds it (error feedback
-    included)."""
+    """Bytes of float32 input per second through a bucket's data path (prescale,
+    compress with error feedback, decode, mean, compression error) with this process's
+    threads, per compressor spec, as `CompressedAllReduce` builds it."""
     from tf_gradsync import costmodel  # pylint: disable=import-outside-toplevel
     from tf_gradsync.bench import ops_from_spec  # pylint: disable=import-outside-toplevel
-    return {s: costmodel.measure_throughput(ops_from_spec(s).compressor, numel, 3)["bytes_per_s"]
+    return {s: costmodel.measure_throughput(ops_from_spec(s).compressor, numel, 3,
+                                           data_path=True)["bytes_per_s"]
             for s in specs}
 
 
