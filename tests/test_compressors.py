@@ -500,6 +500,30 @@ def test_a_sparse_payload_warns_an_adaptive_optimizer():
         C.get("randomk").check_optimizer(tf.keras.optimizers.SGD(momentum=0.9))   # K = 2
 
 
+def test_advice_matches_what_adapt_optimizer_does():
+    """Each compressor advises exactly the change its `adapt_optimizer` makes: dgc (its
+    own momentum) none, the guard (which may send dense) the rate only, never the
+    momentum its inner top-k would drop."""
+    rms, sgdm, adam = (tf.keras.optimizers.RMSprop(1e-3), tf.keras.optimizers.SGD(0.05, momentum=0.9),
+                       tf.keras.optimizers.Adam(1e-3))
+    dgc, guard = C.get("dgc"), C.Guard(C.ErrorFeedback("topk"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        dgc.check_optimizer(rms)
+        guard.check_optimizer(sgdm)
+    assert dgc.adapt_optimizer(rms) is rms and guard.adapt_optimizer(sgdm) is sgdm
+    with pytest.warns(C.OptimizerAdvice) as caught:
+        guard.check_optimizer(adam)
+    assert len(caught) == 1 and "3.16x the learning rate (" in str(caught[0].message)
+    adapted = guard.adapt_optimizer(adam).get_config()
+    assert adapted["learning_rate"] == pytest.approx(1e-3 * 10 ** 0.5) and adapted["beta_1"] == 0.9
+    # Without its momentum dgc is a sparsifier and adapts like top-k.
+    plain = C.get("dgc", momentum=0.0)
+    assert plain.adapt_optimizer(sgdm).get_config()["momentum"] == 0.0
+    with pytest.warns(C.OptimizerAdvice, match="momentum=0.0"):
+        plain.check_optimizer(sgdm)
+
+
 _ADAM_STEPS, _ADAM_N = 300, 2000
 
 

@@ -218,6 +218,11 @@ Received = Any
 Rounds = Generator[Message, Received, tf.Tensor]
 
 
+class OptimizerAdvice(UserWarning):
+    """`check_optimizer`'s advice: the optimizer would train better as
+    `adapt_optimizer` rebuilds it."""
+
+
 class Compressor(abc.ABC):
     """Base class of all compressors.
 
@@ -515,14 +520,14 @@ class Compressor(abc.ABC):
         if (factor != 1 or changes) and not getattr(optimizer, _ADAPTED, False):
             what = ", ".join([f"{factor:.3g}x the learning rate"] * (factor != 1) +
                              [f"{k}={v}" for k, v in changes.items()])
-            warnings.warn(
+            warnings.warn(OptimizerAdvice(
                 f"{self!r} sends an entry about every {self.send_interval():.3g} steps; with "
                 f"{type(optimizer).__name__} it trains best at {what} "
                 "(CompressedAllReduce.adapt_optimizer(optimizer) rebuilds it so): error "
                 "feedback delivers an entry's missed steps in bursts, which an optimizer "
                 "dividing by a running root mean square slows and a momentum delays "
                 "further. Or use a compressor that sends every entry (int8, qsgd, sign, "
-                "powersgd)", stacklevel=2)
+                "powersgd)"), stacklevel=2)
 
     def check_input(self, x: tf.Tensor) -> None:
         """Raises ValueError for input this compressor cannot handle."""
@@ -560,6 +565,9 @@ class Wrapper(Compressor):
 
     def check_optimizer(self, optimizer: Any) -> None:
         self.inner.check_optimizer(optimizer)
+
+    def _optimizer_changes(self, optimizer: Any) -> tuple[float, dict]:
+        return self.inner._optimizer_changes(optimizer)  # pylint: disable=protected-access
 
     def send_interval(self) -> float:
         return self.inner.send_interval()

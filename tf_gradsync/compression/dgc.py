@@ -123,15 +123,15 @@ class DGC(Compressor):
                 "with accumulation, no momentum correction)")
         super().check_optimizer(optimizer)
 
-    def adapt_optimizer(self, optimizer: Any) -> Any:
-        """`optimizer` unchanged while DGC applies momentum: what `Compressor.adapt_optimizer`
-        would take from Adam (its first moment) DGC brings back itself, and
-        `check_optimizer` refuses Adam's. Measured with Adam at beta_1 0 and 3.16x its
-        rate: the digits MLP ended 3.9 points below uncompressed training, noisy (the
-        CNN 1.4 above). With `momentum=0` DGC is a sparsifier like top-k and adapts it."""
+    def _optimizer_changes(self, optimizer: Any) -> tuple[float, dict]:
+        """None while DGC applies momentum: what a sparsifier would take from Adam (its
+        first moment) DGC brings back itself, and `check_optimizer` refuses Adam's.
+        Measured with Adam at beta_1 0 and 3.16x its rate: the digits MLP ended 3.9
+        points below uncompressed training, noisy (the CNN 1.4 above). With
+        `momentum=0` DGC is a sparsifier like top-k and adapts the optimizer as it does."""
         if self.momentum > 0:
-            return optimizer
-        return super().adapt_optimizer(optimizer)
+            return 1.0, {}
+        return super()._optimizer_changes(optimizer)
 
     def send_interval(self) -> float:
         return _util.magnitude_send_interval(self.ratio)

@@ -4,13 +4,14 @@ back to a less lossy compressor, and returns when the error would fall."""
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any
 
 import tensorflow as tf
 
 from tf_gradsync.compression import _util
-from tf_gradsync.compression.base import (SUM, Compressor, Context, Layout, Message, Rounds,
-                                          StateSpec, get)
+from tf_gradsync.compression.base import (SUM, Compressor, Context, Layout, Message,
+                                          OptimizerAdvice, Rounds, StateSpec, get)
 
 _INNER, _FALLBACK = "inner_", "fallback_"
 
@@ -75,8 +76,13 @@ class Guard(Compressor):
         self.fallback.check_input(x)
 
     def check_optimizer(self, optimizer: Any) -> None:
-        self.inner.check_optimizer(optimizer)
-        self.fallback.check_optimizer(optimizer)
+        """The inner and fallback compressors' checks, with the guard's own advice in
+        place of theirs (it keeps the momentum they would drop)."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", OptimizerAdvice)
+            self.inner.check_optimizer(optimizer)
+            self.fallback.check_optimizer(optimizer)
+        super().check_optimizer(optimizer)
 
     def send_interval(self) -> float:
         return self.inner.send_interval()
