@@ -994,9 +994,14 @@ def test_warmup_sends_dense_then_the_inner_compressor():
 
 def test_warmup_before_a_sparse_payload_warns_sgd_with_momentum():
     sgdm = tf.keras.optimizers.SGD(0.05, momentum=0.9)
-    with pytest.warns(UserWarning, match=r"warmup_steps=300 before .*TopK.* every 10 steps, "
+    with pytest.warns(UserWarning, match=r"warmup_steps=300 before .*RandomK.* every 2 steps, "
                                          r"under SGD with momentum=0.9"):
+        C.Warmup(C.ErrorFeedback(C.get("randomk", ratio=0.5)), steps=300).check_optimizer(sgdm)
+    # Top-k's advice (adapt_optimizer: momentum 0) covers the warm-up too: one warning.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         C.Warmup(C.ErrorFeedback("topk"), steps=300).check_optimizer(sgdm)
+    assert [w.category for w in caught] == [C.OptimizerAdvice]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         C.Warmup(C.ErrorFeedback("topk"), steps=300).check_optimizer(tf.keras.optimizers.SGD(0.2))

@@ -58,9 +58,12 @@ class Warmup(Wrapper):
         """Warns when a sparse payload follows the warm-up under SGD with momentum:
         moving a trained model to a payload that delays most entries cost the digits
         MLP up to 24 points for several epochs there (BENCHMARKS.md), where the same
-        payload from the first step did not."""
+        payload from the first step did not. Where `adapt_optimizer` takes the momentum
+        off (the advice `Compressor.check_optimizer` gives), that advice covers it."""
         name, momentum = optimizer_momentum(optimizer)
-        if self.steps and name == "momentum" and momentum and self.inner.send_interval() > 1:
+        _, changes = self._optimizer_changes(optimizer)
+        if (self.steps and name == "momentum" and momentum and self.inner.send_interval() > 1
+                and "momentum" not in changes):
             warnings.warn(
                 f"warmup_steps={self.steps} before {self.inner!r}, which sends an entry "
                 f"about every {self.inner.send_interval():.3g} steps, under "
