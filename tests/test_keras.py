@@ -176,15 +176,17 @@ def test_terngrad_clips_by_the_optimizer_that_applies_the_step(devices, name, bo
 @pytest.mark.slow
 def test_custom_loop_example_trains_and_keeps_replicas_in_step(devices):
     import custom_loop_digits
-    # int8: a lossy compressor (comm_error > 0) that trains the CNN within 4 epochs.
+    # int8: a lossy compressor (comm_error > 0) that trains the CNN. Six epochs: under
+    # SGD with momentum 0.9 the loss still jumps around epochs 2-4, with or without
+    # compression (uncompressed: 0.919 after 4 epochs, 0.972 after 6; int8 0.897, 0.975).
     ops = gs.CompressedAllReduce("int8")
     strategy = tf.distribute.MirroredStrategy(devices, cross_device_ops=ops)
-    accuracy, epochs = custom_loop_digits.train(strategy, ops, "cnn", 4, 64)
-    steps = 4 * (1437 // 64)
+    accuracy, epochs = custom_loop_digits.train(strategy, ops, "cnn", 6, 64)
+    steps = 6 * (1437 // 64)
     stats = ops.stats()
     assert stats["steps"] == steps, "every step's gradients went through the ops"
-    assert len(epochs) == 4 and epochs[-1]["compression_ratio"] == pytest.approx(
+    assert len(epochs) == 6 and epochs[-1]["compression_ratio"] == pytest.approx(
         stats["last_bytes_dense"] / stats["last_bytes_sent"])
     assert 0 < epochs[-1]["comm_error"] < 1
     assert epochs[-1]["loss"] < epochs[0]["loss"]
-    assert accuracy >= 0.9, accuracy
+    assert accuracy >= 0.94, accuracy
