@@ -10,9 +10,8 @@ no shuffling, one train/test split: with one seed every mode starts from the sam
 weights and sees the same batches. `--accuracy_seeds` trains every cell once per seed
 (initial weights and the random draws of training) and reports the mean: on 360 test
 images one image is 0.28 points. Test accuracy is measured after every epoch;
-time-to-accuracy is the training
-wall time (test passes excluded, the first epoch's tracing included) until it first
-reaches `--target_accuracy`. `comm_error` is the mean over the steps of the relative
+time-to-accuracy is the training wall time (test passes excluded, the first epoch's
+tracing included) until it first reaches `--target_accuracy`. `comm_error` is the mean over the steps of the relative
 compression error the ops report.
 
 Recipes (learning rates where uncompressed training works on all three models):
