@@ -235,8 +235,8 @@ def autotune(strategy: tf.distribute.Strategy, weights, *, compute: float | Call
     specs = _specs(weights)
     workers = strategy.num_replicas_in_sync
     probe = probe_link(strategy, probe_bytes) if workers > 1 else []
-    rates = [costmodel.measure_throughput(CompressedAllReduce(n).compressor, calibrate_numel, 3,
-                                          data_path=True)["bytes_per_s"]
+    rates = [costmodel.measure_throughput(CompressedAllReduce(n).compressor, calibrate_numel,
+                                          3)["bytes_per_s"]
              for n in dict.fromkeys(["none", *names])]
     measured = _mean_over_workers(strategy, [*probe, compute_s, *rates])
     probe, compute_s = measured[:len(probe)], measured[len(probe)]

@@ -262,7 +262,7 @@ def median_seconds(fn, repeats: int) -> tuple[float, object]:
 
 
 def measure_throughput(compressor: Compressor | str, numel: int, repeats: int = 5,
-                       data_path: bool = False) -> dict:
+                       data_path: bool = True) -> dict:
     """Times compress + decompress of `numel` float32 elements (one weight matrix) on
     this machine's current threads: `{"seconds": median, "bytes_per_s": of input,
     "payload_bytes": sent}`.
@@ -273,7 +273,8 @@ def measure_throughput(compressor: Compressor | str, numel: int, repeats: int = 
       repeats: timed calls (after one untimed).
       data_path: time what a step does around the codec too (`roundtrip_fn` with two
         replicas and the error measurement): the throughput the cost model prices a
-        step with. False: the codec alone (the micro benchmark's figure).
+        step with, and what every calibration uses. False: the codec alone (the micro
+        benchmark's figure).
     """
     compressor = get(compressor)
     x = tf.random.stateless_normal([numel], (1, 2))

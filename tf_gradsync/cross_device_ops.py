@@ -141,8 +141,8 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
         """The factor by which to multiply the learning rate that `optimizer` trains
         with uncompressed: 1.0, except for optimizers that divide by a running root mean
         square (Adam and its kin) with compressors whose entries wait K steps between
-        sends, sqrt(K) (see `Compressor.learning_rate_scale`); `adapt_optimizer`
-        applies it.
+        sends, sqrt(K), or whose coarse values raise the mean square, 1 / `rms_step`
+        (see `Compressor.learning_rate_scale`); `adapt_optimizer` applies it.
 
         Example:
           >>> ops = tf_gradsync.CompressedAllReduce("topk")
@@ -151,10 +151,11 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
         return self._compressor.learning_rate_scale(optimizer)
 
     def adapt_optimizer(self, optimizer):
-        """`optimizer` rebuilt as this compressor trains best with: for payloads whose
-        entries wait K steps, under Adam and its kin sqrt(K) times the learning rate, and
-        where K is long no momentum (Adam's `beta_1=0`; SGD's `momentum=0` at the rate
-        / (1 - momentum)); unchanged otherwise (see `Compressor.adapt_optimizer`).
+        """`optimizer` rebuilt as this compressor trains best with: under Adam and its
+        kin `learning_rate_scale` times the learning rate; for payloads whose entries
+        wait long between sends no momentum (Adam's `beta_1=0`; SGD's `momentum=0` at
+        the rate / (1 - momentum)); unchanged otherwise (see
+        `Compressor.adapt_optimizer`).
 
         Example:
           >>> ops = tf_gradsync.CompressedAllReduce("topk")

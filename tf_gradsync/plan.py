@@ -149,8 +149,7 @@ def calibrate_throughput(specs: Sequence[str], numel: int = CALIBRATE_NUMEL) -> 
     threads, per compressor spec, as `CompressedAllReduce` builds it."""
     from tf_gradsync import costmodel  # pylint: disable=import-outside-toplevel
     from tf_gradsync.bench import ops_from_spec  # pylint: disable=import-outside-toplevel
-    return {s: costmodel.measure_throughput(ops_from_spec(s).compressor, numel, 3,
-                                           data_path=True)["bytes_per_s"]
+    return {s: costmodel.measure_throughput(ops_from_spec(s).compressor, numel, 3)["bytes_per_s"]
             for s in specs}
 
 

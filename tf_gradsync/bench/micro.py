@@ -20,7 +20,7 @@ def measure(name, numel: int, repeats: int = 5) -> dict:
     """Median seconds per compress+decompress, GB/s of dense input, payload bytes, ratio
     (`costmodel.measure_throughput`; `name` a compressor's name or instance)."""
     compressor = compression.get(name)
-    row = costmodel.measure_throughput(compressor, numel, repeats)
+    row = costmodel.measure_throughput(compressor, numel, repeats, data_path=False)
     sec, sent = row["seconds"], row["payload_bytes"]
     dense = numel * 4
     return {"compressor": compressor.name, "numel": numel, "seconds": sec,

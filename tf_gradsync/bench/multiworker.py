@@ -37,17 +37,15 @@ def probe(modes: list[str], numel: int) -> dict:
     """A probing job's part (the cost model's measurements, under the same contention as
     the runs): exact all-reduces of `autotuning.PROBE_BYTES` through TensorFlow's
     collectives (seconds each), and the throughput of each mode's bucket data path
-    (`costmodel.measure_throughput` with `data_path`) on `numel` elements, while every
+    (`plan.calibrate_throughput`) on `numel` elements, while every
     other worker measures too."""
     import tensorflow as tf
     import tf_gradsync as gs
-    from tf_gradsync import autotuning, costmodel
+    from tf_gradsync import autotuning, plan
     tf.get_logger().setLevel("ERROR")
     strategy = gs.MultiWorkerMirroredStrategy()
     seconds = autotuning.probe_link(strategy)
-    rates = {m: costmodel.measure_throughput(ops_from_spec(m).compressor, numel, 3,
-                                           data_path=True)["bytes_per_s"]
-             for m in modes}
+    rates = plan.calibrate_throughput(modes, numel)
     return {"mode": "probe", "probe_bytes": list(autotuning.PROBE_BYTES), "probe_s": seconds,
             "throughput": rates}
 

@@ -407,21 +407,39 @@ class Compressor(abc.ABC):
         however coarsely; larger for payloads that leave entries out."""
         return 1.0
 
+    def rms_step(self) -> float:
+        """How far an optimizer that divides by a running root mean square moves an
+        entry per step on this payload, relative to the dense gradient, for an entry
+        sent every step whose gradient is mostly noise (steady state, error feedback
+        included).
+
+        Such an optimizer moves an entry by its mean over its root mean square. A
+        payload that carries each entry's value (casts, int8, QSGD) keeps both: 1.0,
+        the default. A coarser one can keep the mean (unbiased, or under error
+        feedback) and raise the mean square: a scaled sign sends every entry at its
+        block's scale, so an entry smaller than its neighbours swings between
+        +-scale, and the optimizer crawls on it. Payloads that leave entries out are
+        priced by `send_interval` instead.
+        """
+        return 1.0
+
     def learning_rate_scale(self, optimizer: Any) -> float:
         """By how much to multiply the learning rate `optimizer` trains with uncompressed.
 
-        1.0, except where an optimizer that divides by a running root mean square
-        (Adam and its kin, RMSprop, Adagrad: `divides_by_rms`) meets a payload whose
-        entries wait K = `send_interval()` > 1 steps between sends: sqrt(K). Under error
-        feedback such an entry arrives in bursts carrying K steps' worth of gradient;
-        the optimizer's first moment sees the whole sum, its second moment K times the
-        dense mean square, so the entry moves about sqrt(K) steps' worth per K steps.
-        Scaling the values cannot help (these optimizers ignore scale); a learning rate
-        sqrt(K) times larger restores the progress (`tests/test_compressors.py`
-        measures both on Adam). Measured on the convergence matrix (BENCHMARKS.md):
-        top-k at 1% under Adam ended 5.6 points below uncompressed training on a CNN,
-        and level with it with the scale. `adapt_optimizer` applies the scale and
-        also turns the first moment off.
+        1.0, except under an optimizer that divides by a running root mean square (Adam
+        and its kin, RMSprop, Adagrad: `divides_by_rms`): sqrt(K) / `rms_step()`, with K
+        = `send_interval()`. For a payload whose entries wait K > 1 steps between sends:
+        under error feedback such an entry arrives in bursts carrying K steps' worth of
+        gradient; the optimizer's first moment sees the whole sum, its second moment K
+        times the dense mean square, so the entry moves about sqrt(K) steps' worth per
+        K steps. Scaling the values cannot help (these optimizers ignore scale); a
+        learning rate sqrt(K) times larger restores the progress
+        (`tests/test_compressors.py` measures both on Adam). Measured on the
+        convergence matrix (BENCHMARKS.md): top-k at 1% under Adam ended 5.6 points
+        below uncompressed training on a CNN, and level with it with the scale; the
+        scaled sign (`rms_step` 0.8) 1.1 points below on the digits MLP over three
+        seeds, 0.2 with it. `adapt_optimizer` applies the scale and, for sparse
+        payloads, also turns the first moment off.
 
         Args:
           optimizer: the Keras optimizer (Keras 3 or tf_keras) that applies the
@@ -435,19 +453,21 @@ class Compressor(abc.ABC):
           >>> ops.learning_rate_scale(tf.keras.optimizers.Adam())
           3.1622776601683795
         """
-        k = self.send_interval()
-        return 1.0 if k <= 1 or not divides_by_rms(optimizer) else math.sqrt(k)
+        if not divides_by_rms(optimizer):
+            return 1.0
+        return math.sqrt(max(self.send_interval(), 1.0)) / self.rms_step()
 
     def adapt_optimizer(self, optimizer: Any) -> Any:
         """`optimizer` rebuilt to train with this compressor as it would uncompressed.
 
-        For a payload whose entries wait K steps between sends (`send_interval`):
-        under an optimizer that divides by a running root mean square, the copy trains
-        at `learning_rate_scale` (sqrt(K)) times the learning rate; and where K is at
-        least half the window 1 / (1 - beta) of the optimizer's momentum, the momentum
-        goes: Adam's first moment (`beta_1=0`), or SGD's and RMSprop's heavy ball
-        (`momentum=0`, `nesterov=False`, the learning rate 1 / (1 - momentum) times
-        larger, the long-run step of the momentum). Error feedback already
+        Under an optimizer that divides by a running root mean square, the copy trains
+        at `learning_rate_scale` times the learning rate (sqrt(K) for a payload whose
+        entries wait K steps between sends, `send_interval`; 1 / `rms_step` for coarse
+        payloads that send every entry). Where K is at least half the window
+        1 / (1 - beta) of the optimizer's momentum, the momentum goes: Adam's first
+        moment (`beta_1=0`), or SGD's and RMSprop's heavy ball (`momentum=0`,
+        `nesterov=False`, the learning rate 1 / (1 - momentum) times larger, the
+        long-run step of the momentum). Error feedback already
         accumulates what an entry missed and delivers it in one burst; a momentum
         spanning bursts spreads each over later steps and delays the entry's motion
         further. Measured on the convergence matrix (BENCHMARKS.md), top-k at 1%
@@ -520,14 +540,18 @@ class Compressor(abc.ABC):
         if (factor != 1 or changes) and not getattr(optimizer, _ADAPTED, False):
             what = ", ".join([f"{factor:.3g}x the learning rate"] * (factor != 1) +
                              [f"{k}={v}" for k, v in changes.items()])
+            k = self.send_interval()
+            why = (f"sends an entry about every {k:.3g} steps: error feedback delivers an "
+                   "entry's missed steps in bursts, which an optimizer dividing by a running "
+                   "root mean square slows and a momentum delays further (or use a "
+                   "compressor that sends every entry: int8, qsgd, sign, powersgd)" if k > 1
+                   else f"moves an entry {self.rms_step():.2g} times as far per step as the "
+                   "dense gradient under an optimizer dividing by a running root mean "
+                   "square: its coarse values raise the mean square the optimizer divides by")
             warnings.warn(OptimizerAdvice(
-                f"{self!r} sends an entry about every {self.send_interval():.3g} steps; with "
-                f"{type(optimizer).__name__} it trains best at {what} "
-                "(CompressedAllReduce.adapt_optimizer(optimizer) rebuilds it so): error "
-                "feedback delivers an entry's missed steps in bursts, which an optimizer "
-                "dividing by a running root mean square slows and a momentum delays "
-                "further. Or use a compressor that sends every entry (int8, qsgd, sign, "
-                "powersgd)"), stacklevel=2)
+                f"{self!r} {why}. With {type(optimizer).__name__} it trains best at {what} "
+                "(CompressedAllReduce.adapt_optimizer(optimizer) rebuilds it so)"),
+                stacklevel=2)
 
     def check_input(self, x: tf.Tensor) -> None:
         """Raises ValueError for input this compressor cannot handle."""
@@ -571,6 +595,9 @@ class Wrapper(Compressor):
 
     def send_interval(self) -> float:
         return self.inner.send_interval()
+
+    def rms_step(self) -> float:
+        return self.inner.rms_step()
 
     def sparse_values_dtype(self, dtype: tf.DType) -> tf.DType | None:
         return self.inner.sparse_values_dtype(dtype)

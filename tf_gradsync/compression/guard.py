@@ -87,6 +87,9 @@ class Guard(Compressor):
     def send_interval(self) -> float:
         return self.inner.send_interval()
 
+    def rms_step(self) -> float:
+        return self.inner.rms_step()
+
     def _optimizer_changes(self, optimizer: Any) -> tuple[float, dict]:
         """The learning-rate scale only: the momentum stays, since the guard may send
         its buckets dense, where the optimizer needs it (without it, a CNN guarded

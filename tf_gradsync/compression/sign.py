@@ -73,6 +73,12 @@ class Sign(Compressor):
             raise ValueError(f"scale must be one of {', '.join(SCALES)}, got {scale!r}")
         self.block, self.scale = block, scale
 
+    def rms_step(self) -> float:
+        """Measured on a noise stream through error feedback (`tests/test_compressors.py`):
+        0.8 at the l2 scale (0.78 to 0.85 for blocks of 4 up to a whole tensor), which
+        sends each block's whole energy, against 1.0 at the l1 scale."""
+        return 0.8 if self.scale == "l2" else 1.0
+
     def compress(self, x: tf.Tensor, ctx: Context):
         """Returns `((packed bits, scales), (segments, dtype))`."""
         seg = _util.blocks(ctx.layout_of(x), self.block)

@@ -7,6 +7,8 @@ References:
 
 from __future__ import annotations
 
+import math
+import statistics
 from typing import Sequence
 
 import tensorflow as tf
@@ -75,6 +77,16 @@ class TernGrad(Compressor):
         """The clipping bound in use: `clip` until an optimizer that divides by a
         running root mean square has been met, `rms_clip` after."""
         return self._bound
+
+    def rms_step(self) -> float:
+        """For Gaussian noise clipped at b = the bound in use under such optimizers:
+        the mean keeps P(|z| < b) of the slope, the mean square is the scale b times
+        E|clip(z)|: 0.86 at 1 sigma, 0.70 at 2.5 (no bound: as at 4 sigma, about the
+        largest of ten thousand entries)."""
+        b = next((c for c in (self.rms_clip, self.clip) if c is not None), 4.0)
+        normal = statistics.NormalDist()
+        mean_abs = 2 * (normal.pdf(0) - normal.pdf(b) + b * (1 - normal.cdf(b)))
+        return (2 * normal.cdf(b) - 1) / math.sqrt(b * mean_abs)
 
     def check_optimizer(self, optimizer) -> None:
         """Settles the clipping bound: `rms_clip` under an optimizer that divides by a
