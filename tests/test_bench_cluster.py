@@ -222,6 +222,11 @@ def test_tiny_end_to_end_run(tmp_path):
         assert row["predicted_s"] > compute["step_s"]
         assert row["prediction_error"] == pytest.approx(row["predicted_s"] / row["step_s"] - 1)
     assert fp16["pick"] == "*" and stock["pick"] == ""
+    # The JSON keeps what the prediction was made from: predicting again gives it back.
+    again = json.loads(out.read_text())
+    cluster.predict(again, compute["probes"], compute["specs"], 2)
+    for row, redone in zip(rows[1:], again[1:]):
+        assert redone["predicted_s"] == pytest.approx(row["predicted_s"])
     # Where each step goes: the parts add up to the step; the wire at the link's rate.
     for row in rows:
         parts = row["compute_s"] + row["codec_s"] + row["wire_s"] + row["waiting_s"]

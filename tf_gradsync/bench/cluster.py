@@ -152,6 +152,9 @@ def measure(n: int, rate: str, modes: Sequence[str], params: int, steps: int,
         row["speedup"] = stock / row["step_s"]
         row["vs_compute"] = row["step_s"] / compute
     predict(rows, probes, specs, n)
+    # What the prediction was made from, so that a JSON can be predicted again
+    # (`predict(rows, rows[0]["probes"], rows[0]["specs"], n)`) under another model.
+    rows[0].update(probes=probes, specs=specs)
     breakdown(rows, cost.parse_bandwidth(rate))
     return rows
 
