@@ -103,8 +103,9 @@ def check_steady(out, tensor_bytes, slack, pool_growth=0, steps=STEPS, warm=WARM
     RSS is compared as medians over 10 steps (a single reading can catch a step's
     buffer before the allocator returns it). Over the second half of the steps it may
     grow by at most 5% of the tensor bytes or `slack`, whichever is larger; from step
-    `warm` on, by that plus `pool_growth`, once. A leak grows with the step count, a
-    pool does not.
+    `warm` on, by that plus `pool_growth`, which may come within the second half too
+    (under a concurrent test the pool rose twice by one 200 MB buffer, at steps 11-15
+    and 21-30). A leak grows with the step count, a pool does not.
     """
     first, last = out[1], out[steps]
     warm_out = out[warm]
@@ -123,7 +124,7 @@ def check_steady(out, tensor_bytes, slack, pool_growth=0, steps=STEPS, warm=WARM
           f"{late / MIB:.1f} MiB; growth {(late - early) / MIB:+.2f} MiB, last "
           f"{steps - steps // 2} steps {(late - middle) / MIB:+.2f} MiB "
           f"(bound {bound / MIB:.1f} MiB)")
-    assert late - middle < bound
+    assert late - middle < bound + pool_growth
     assert late - early < bound + pool_growth
 
 
