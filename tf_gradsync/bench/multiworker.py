@@ -92,6 +92,8 @@ def worker(mode: str, params: int, steps: int, batch: int, ifname: str | None = 
     with strategy.scope():
         work = models.build(model, batch, params, image_size)
         opt = tf.keras.optimizers.SGD(1e-3, momentum=0.9)
+        if ops is not None:   # as users do: dgc, for one, brings its own momentum
+            opt = ops.adapt_optimizer(opt)
     net, step = work.model, work.train_step(strategy, opt)
 
     step().numpy()
