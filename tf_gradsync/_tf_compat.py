@@ -16,7 +16,6 @@ from tensorflow.python.distribute import distribute_lib as _distribute_lib
 from tensorflow.python.distribute import distribute_utils as _distribute_utils
 from tensorflow.python.distribute import values as _values
 from tensorflow.python.ops import collective_ops as _collective_ops
-from tensorflow.python.ops import gen_random_index_shuffle_ops as _gen_index_shuffle
 from tensorflow.python.ops import resource_variable_ops as _resource_variable_ops
 
 #: TF's own broadcast by plain copies.
@@ -77,22 +76,6 @@ def collective_all_gather(t: tf.Tensor, group_size: int, group_key: int, instanc
     return _collective_ops.all_gather_v2(
         t, group_size=group_size, group_key=group_key, instance_key=instance_key,
         communication_hint="ring", timeout=timeout, ordering_token=ordering_token)
-
-
-def index_shuffle(index: tf.Tensor, seed: tf.Tensor, max_index: tf.Tensor) -> tf.Tensor:
-    """`tf.random.experimental.index_shuffle` with one seed per element.
-
-    Args:
-      index: int32 [K] positions.
-      seed: int64 [K, 3] seeds, one per element (the public wrapper pads a batch of
-        seeds along the wrong axis, so the raw op is called here).
-      max_index: int32 [K] inclusive upper bounds.
-
-    Returns:
-      int32 [K]: the position of each index in its seed's permutation of [0, max_index].
-    """
-    return _gen_index_shuffle.random_index_shuffle(index, seed=seed, max_index=max_index,
-                                                   rounds=4)
 
 
 def cross_device_ops_of(strategy) -> object:

@@ -14,7 +14,7 @@ import tensorflow as tf
 
 from tf_gradsync.compression import _util
 from tf_gradsync.compression.base import (Compressor, Context, Layout, StateSpec,
-                                          optimizer_momentum, register)
+                                          optimizer_config, optimizer_momentum, register)
 
 
 @register("dgc")
@@ -119,19 +119,27 @@ class DGC(Compressor):
                 f"dgc applies momentum {self.momentum} itself (momentum correction), and the "
                 f"optimizer {type(optimizer).__name__} applies {name}={momentum} again: "
                 "the two compound and training diverges or stalls. Use SGD without "
-                "momentum (SGD(momentum=0.0)), or dgc with momentum=0.0 (sparsification "
-                "with accumulation, no momentum correction)")
+                "momentum (SGD(momentum=0.0); CompressedAllReduce.adapt_optimizer(optimizer) "
+                "rebuilds an SGD so), or dgc with momentum=0.0 (sparsification with "
+                "accumulation, no momentum correction)")
         super().check_optimizer(optimizer)
 
     def _optimizer_changes(self, optimizer: Any) -> tuple[float, dict]:
-        """None while DGC applies momentum: what a sparsifier would take from Adam (its
-        first moment) DGC brings back itself, and `check_optimizer` refuses Adam's.
-        Measured with Adam at beta_1 0 and 3.16x its rate: the digits MLP ended 3.9
-        points below uncompressed training, noisy (the CNN 1.4 above). With
-        `momentum=0` DGC is a sparsifier like top-k and adapts the optimizer as it does."""
-        if self.momentum > 0:
+        """While DGC applies momentum, the optimizer's own goes (SGD's or RMSprop's
+        `momentum`, `nesterov`), at the same learning rate: DGC's momentum correction
+        is the momentum SGD would have applied. Adam's first moment stays (and
+        `check_optimizer` refuses it): what a sparsifier would take from Adam DGC
+        brings back itself. Measured with Adam at beta_1 0 and 3.16x its rate: the
+        digits MLP ended 3.9 points below uncompressed training, noisy (the CNN 1.4
+        above). With `momentum=0` DGC is a sparsifier like top-k and adapts the
+        optimizer as it does."""
+        if self.momentum == 0:
+            return super()._optimizer_changes(optimizer)
+        name, momentum = optimizer_momentum(optimizer)
+        if name != "momentum" or not momentum:
             return 1.0, {}
-        return super()._optimizer_changes(optimizer)
+        nesterov = optimizer_config(optimizer).get("nesterov")
+        return 1.0, {"momentum": 0.0, **({"nesterov": False} if nesterov else {})}
 
     def send_interval(self) -> float:
         return _util.magnitude_send_interval(self.ratio)

@@ -19,17 +19,18 @@ from tf_gradsync.compression.base import Compressor, Context, register
 
 @register("randomk")
 class RandomK(Compressor):
-    """Sends k = max(1, ceil(ratio * size)) coordinates of each tensor, drawn uniformly.
+    """Sends k = max(1, ceil(ratio * size)) coordinates of each tensor, drawn at random:
+    one from each of k strata of nearly equal length, so every entry is equally likely.
 
-    Every replica draws the same coordinates (a stateless permutation of each tensor
-    seeded by `ctx.seed`), so the payload is just the K kept values in the input dtype
+    Every replica draws the same coordinates (stateless draws seeded by `ctx.seed`),
+    so the payload is just the K kept values in the input dtype
     (K * itemsize bytes, K the sum of the tensors' k) and is summed on the wire;
     decompression recomputes the coordinates from the seed kept in the metadata.
 
     Random-k learns less per step than any other compressor here, for a reason that
     is not an implementation detail: it keeps a k / n share of the gradient's energy
-    whatever the gradient looks like. With `scale=True` each tensor's values are
-    multiplied by size / k, which makes the estimate unbiased but multiplies its
+    whatever the gradient looks like. With `scale=True` each value is multiplied by
+    its stratum's length (size / k when k divides the size), which makes the estimate unbiased but multiplies its
     variance by about n / k. By default (`scale=False`) the kept values go out as they
     are and error feedback (on by default) sends the rest later (Stich et al.'s rand-k
     with memory); the theory of error feedback then asks for a learning rate about
@@ -44,15 +45,15 @@ class RandomK(Compressor):
     heavy-tailed.
 
     The scaling happens after the sum, in float32 (float64 for float64 input), so
-    16-bit payloads cannot overflow from it. Coordinates come from `index_shuffle`,
-    which runs on the host (CPU kernel only); it is integer arithmetic, so every
-    device gets the same coordinates. With `cyclic=True` each tensor walks through
-    one random permutation in n / k steps, so every entry goes out once per cycle
-    (bounded delay), and a new permutation starts every cycle.
+    16-bit payloads cannot overflow from it. Drawing the coordinates is a few
+    elementwise passes over K integers (`_util.random_per_segment`); Philox draws and
+    integer arithmetic give every device the same ones. With `cyclic=True` each stratum
+    walks through its entries in about n / k steps, so every entry goes out at least
+    once per cycle (bounded delay), from a new random start each cycle.
 
     Args:
       ratio: fraction of entries kept, in (0, 1].
-      scale: multiply by size / k on decompression (unbiased, no error feedback by
+      scale: multiply by about size / k on decompression (unbiased, no error feedback by
         default); False: unscaled, biased, with error feedback by default.
       cyclic: every entry once per 1 / ratio steps instead of independent draws.
 
@@ -87,16 +88,16 @@ class RandomK(Compressor):
         ks = _util.counts(self.ratio, seg)
         seed = tf.convert_to_tensor(ctx.seed, tf.int64)
         step = tf.convert_to_tensor(ctx.step, tf.int64) if self.cyclic else None
-        values = tf.gather(x, _util.random_per_segment(seed, seg, ks, step))
+        values = tf.gather(x, _util.random_per_segment(seed, seg, ks, step)[0])
         return (values + tf.cast(_util.poison(x), x.dtype),), (seg, ks, x.dtype, seed, step)
 
     def decompress(self, payload: Sequence[tf.Tensor], meta) -> tf.Tensor:
-        """Scatters the (summed) values to the seeded coordinates, times size / k if `scale`."""
+        """Scatters the (summed) values to the seeded coordinates, each times its
+        stratum's length (about size / k) if `scale`."""
         seg, ks, dtype, seed, step = meta
         wd = _util.work_dtype(dtype)
         values = tf.cast(payload[0], wd)
+        indices, lengths = _util.random_per_segment(seed, seg, ks, step)
         if self.scale:
-            factor = np.concatenate([np.full(k, s / k) for k, s in zip(ks, seg.sizes)])
-            values *= tf.constant(factor, wd)
-        return tf.cast(_util.scatter(values, _util.random_per_segment(seed, seg, ks, step),
-                                     seg.numel, wd), dtype)
+            values *= tf.cast(lengths, wd)
+        return tf.cast(_util.scatter(values, indices, seg.numel, wd), dtype)
