@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from typing import Sequence
 
-import numpy as np
 import tensorflow as tf
 
 from tf_gradsync.compression import _util
@@ -30,8 +29,8 @@ class RandomK(Compressor):
     Random-k learns less per step than any other compressor here, for a reason that
     is not an implementation detail: it keeps a k / n share of the gradient's energy
     whatever the gradient looks like. With `scale=True` each value is multiplied by
-    its stratum's length (size / k when k divides the size), which makes the estimate unbiased but multiplies its
-    variance by about n / k. By default (`scale=False`) the kept values go out as they
+    its stratum's length (size / k when k divides the size), which makes the
+    estimate unbiased but multiplies its variance by about n / k. By default (`scale=False`) the kept values go out as they
     are and error feedback (on by default) sends the rest later (Stich et al.'s rand-k
     with memory); the theory of error feedback then asks for a learning rate about
     k / n times smaller, since an entry waits n / k steps on average and leaves in one
@@ -83,21 +82,21 @@ class RandomK(Compressor):
         return RandomK(self.ratio, scale=False, cyclic=self.cyclic) if self.scale else self
 
     def compress(self, x: tf.Tensor, ctx: Context):
-        """Returns `((values,), (segments, ks, dtype, seed))`."""
+        """Returns `((values,), (numel, indices, stratum lengths, dtype))`: the drawn
+        coordinates stay local for decompression (every replica draws the same)."""
         seg = _util.Segments.of(ctx.layout_of(x))
-        ks = _util.counts(self.ratio, seg)
-        seed = tf.convert_to_tensor(ctx.seed, tf.int64)
         step = tf.convert_to_tensor(ctx.step, tf.int64) if self.cyclic else None
-        values = tf.gather(x, _util.random_per_segment(seed, seg, ks, step)[0])
-        return (values + tf.cast(_util.poison(x), x.dtype),), (seg, ks, x.dtype, seed, step)
+        indices, lengths = _util.random_per_segment(
+            tf.convert_to_tensor(ctx.seed, tf.int64), seg, _util.counts(self.ratio, seg), step)
+        values = tf.gather(x, indices)
+        return (values + tf.cast(_util.poison(x), x.dtype),), (seg.numel, indices, lengths, x.dtype)
 
     def decompress(self, payload: Sequence[tf.Tensor], meta) -> tf.Tensor:
-        """Scatters the (summed) values to the seeded coordinates, each times its
+        """Scatters the (summed) values to the drawn coordinates, each times its
         stratum's length (about size / k) if `scale`."""
-        seg, ks, dtype, seed, step = meta
+        numel, indices, lengths, dtype = meta
         wd = _util.work_dtype(dtype)
         values = tf.cast(payload[0], wd)
-        indices, lengths = _util.random_per_segment(seed, seg, ks, step)
         if self.scale:
             values *= tf.cast(lengths, wd)
-        return tf.cast(_util.scatter(values, indices, seg.numel, wd), dtype)
+        return tf.cast(_util.scatter(values, indices, numel, wd), dtype)
