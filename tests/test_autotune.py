@@ -58,6 +58,25 @@ def test_link_fit_recovers_latency_and_bandwidth():
     assert fit.bytes_per_s == pytest.approx(true.bytes_per_s, rel=1e-6)
 
 
+def test_link_fit_takes_latency_from_small_and_bandwidth_from_large_all_reduces():
+    """A link whose largest transfer runs below the rate small ones see (as measured on
+    the cluster suite): latency comes from the smallest all-reduce, bandwidth from the
+    largest, where a least-squares line would put the shortfall into the latency."""
+    n, true = 4, Link(2e-3, 12.5e6)
+    sizes = [4096, 65536, 1 << 20, 1 << 23]
+    seconds = [exchange_seconds("ring", n, s, true) for s in sizes]
+    seconds[-1] *= 1.15
+    fit = autotuning.fit_link(sizes, seconds, n)
+    assert fit.latency_s == pytest.approx(true.latency_s, rel=0.01)
+    moved = 2 * (n - 1) / n * sizes[-1]
+    assert exchange_seconds("ring", n, sizes[-1], fit) == pytest.approx(seconds[-1], rel=1e-6)
+    assert fit.bytes_per_s == pytest.approx(moved / (seconds[-1] - 6 * fit.latency_s), rel=1e-6)
+    # Noise that leaves the largest no slower than the smallest: the steepest rate seen.
+    flat = autotuning.fit_link([4096, 1 << 20], [0.01, 0.01], n)
+    assert flat.bytes_per_s == pytest.approx(2 * (n - 1) / n * (1 << 20) / 0.01)
+    assert exchange_seconds("ring", n, 4096, flat) == pytest.approx(0.01)
+
+
 def _strategy(devices):
     # Not TensorFlow's default collectives: their group keys would clash with the other
     # 4-device strategies of this process.

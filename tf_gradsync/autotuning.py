@@ -118,17 +118,26 @@ def fit_link(sizes: Sequence[float], seconds: Sequence[float], members: int) -> 
     """Latency and bandwidth from timed ring all-reduces of `sizes` bytes.
 
     A ring all-reduce of S bytes among N members takes 2(N-1) latencies and moves
-    2(N-1)/N S bytes: a straight line in S whose intercept and slope give both.
-    Negative fits (noise) are clamped to a microsecond and to the steepest bandwidth
-    seen.
+    2(N-1)/N S bytes: a line in S, drawn here through the smallest all-reduce (nearly
+    all latency) and the largest (nearly all bandwidth). Real links bend that line:
+    large transfers run below the rate small ones see (the transport's CPU work), so a
+    least-squares line through every size let the largest one's shortfall set the
+    latency. Measured with 4 workers sharing 2 cores at 100 Mbit/s: 4 KiB and 64 KiB
+    took 13 ms (2.2 ms a message), 8 MiB ran at 85% of the link, and least squares
+    fitted 0.17 ms a message, under-predicting PowerSGD's many small exchanges by 45%.
+    One size gives all of its time to bandwidth; where noise leaves the largest no
+    slower than the smallest, the bandwidth is the steepest seen. A latency below a
+    microsecond is clamped to one.
     """
     s, t = np.asarray(sizes, float), np.asarray(seconds, float)
-    slope, intercept = np.polyfit(s, t, 1) if len(s) > 1 else (t[0] / s[0], 0.0)
     n = max(members, 2)
-    latency = max(intercept / (2 * (n - 1)), 1e-6)
-    per_byte = slope / (2 * (n - 1) / n)
-    if per_byte <= 0:
-        per_byte = min(t / (2 * (n - 1) / n * s))
+    moved = 2 * (n - 1) / n
+    small, large = int(np.argmin(s)), int(np.argmax(s))
+    if s[large] > s[small] and t[large] > t[small]:
+        per_byte = (t[large] - t[small]) / (moved * (s[large] - s[small]))
+    else:
+        per_byte = float(min(t / (moved * s)))
+    latency = max((t[small] - moved * s[small] * per_byte) / (2 * (n - 1)), 1e-6)
     return Link(float(latency), float(1.0 / per_byte))
 
 
