@@ -184,7 +184,10 @@ def test_accuracy_cell_refused_by_the_compressor(devices):
     row = accuracy.train_cell("mlp", "adam", "dgc", devices, data, 1, 0.5)
     assert row["accuracy"] is None and row["note"].startswith("refused: dgc applies momentum")
     row = accuracy.train_cell("mlp", "sgdm", "dgc", devices, data, 2, 0.5)
-    assert row["accuracy"] > 0.5 and row["note"].startswith("optimizer momentum 0")
+    assert row["accuracy"] > 0.5 and row["note"] == "momentum 0 (adapt_optimizer)"
+    plain = accuracy.train_cell("mlp", "sgdm", "dgc", devices, data, 2, 0.5, adapt=False)
+    assert plain["note"].startswith("optimizer momentum 0")
+    assert plain["accuracies"] == row["accuracies"]       # the same optimizer either way
     table = accuracy.matrix_table([dict(row, mode="none", vs_none_pts=0.0), dict(
         accuracy._refused("mlp", "sgdm", "dgc", "no: because"), vs_none_pts=None)])
     assert "| dgc | refused |" in table

@@ -24,8 +24,9 @@ without momentum: Adam with beta_1 0, SGD with momentum 0 at 10 times the rate; 
 row's `note` says so).
 
 A compressor that applies momentum itself (dgc) refuses an optimizer with momentum
-before the first step; its `sgdm` cell then runs the recipe with the momentum moved
-into the compressor (SGD with momentum 0) and says so in `note`.
+before the first step; its `sgdm` cell runs the recipe with the momentum moved into
+the compressor (SGD with momentum 0: what `adapt_optimizer` gives, and what the cell
+falls back to with `--noadapt_optimizer`) and says so in `note`; Adam is refused.
 
 `--optimizers` takes recipes with optional overrides, `recipe:lr=X:momentum=Y` (e.g.
 `sgdm:lr=0.025`, `sgd:lr=0.5`, `adam:momentum=0` for Adam's beta_1), for sensitivity
