@@ -94,8 +94,11 @@ def unpack(packed: tf.Tensor, bits: int, n: int, values=None, dtype: tf.DType = 
 
 
 def scatter(values: tf.Tensor, indices: tf.Tensor, n: int, dtype: tf.DType) -> tf.Tensor:
-    """A dense length-`n` vector with `values` added at `indices` (duplicates add up)."""
-    return tf.scatter_nd(indices[:, None], tf.cast(values, dtype), [n])
+    """A dense length-`n` vector with `values` added at `indices` (duplicates add up).
+
+    A segment sum, not `scatter_nd`: on a CPU it is seven times faster (2.5M values into
+    5M entries on one core: 13 ms against 88 ms)."""
+    return tf.math.unsorted_segment_sum(tf.cast(values, dtype), indices, n)
 
 
 _TOPK_SEED = (0x746F, 0x706B)   # any fixed seed: the result does not depend on it
