@@ -22,24 +22,24 @@ class RandomK(Compressor):
     one from each of k strata of nearly equal length, so every entry is equally likely.
 
     Every replica draws the same coordinates (stateless draws seeded by `ctx.seed`),
-    so the payload is just the K kept values in the input dtype
-    (K * itemsize bytes, K the sum of the tensors' k) and is summed on the wire;
-    decompression recomputes the coordinates from the seed kept in the metadata.
+    so the payload is just the K kept values in the input dtype (K * itemsize bytes,
+    K the sum of the tensors' k) and is summed on the wire; decompression scatters the
+    sum to the coordinates kept in the local metadata.
 
-    Random-k learns less per step than any other compressor here, for a reason that
-    is not an implementation detail: it keeps a k / n share of the gradient's energy
-    whatever the gradient looks like. With `scale=True` each value is multiplied by
-    its stratum's length (size / k when k divides the size), which makes the
-    estimate unbiased but multiplies its variance by about n / k. By default (`scale=False`) the kept values go out as they
-    are and error feedback (on by default) sends the rest later (Stich et al.'s rand-k
-    with memory); the theory of error feedback then asks for a learning rate about
-    k / n times smaller, since an entry waits n / k steps on average and leaves in one
-    burst. At the learning rates people use with momentum SGD both forms diverge
-    unless about half the entries go out: measured on a CNN with SGD (learning rate
-    0.05, momentum 0.9), error feedback trained at ratio 0.5 (within 2 points of
-    uncompressed training) and diverged at 0.25, 0.1 and 0.01, cyclic selection
-    included, and the unbiased form diverged at 0.25. So the default ratio is 0.5;
-    smaller ratios suit small learning rates (or learning rates divided by n / k).
+    Random-k learns less per step than any other compressor here, for a reason that is
+    not an implementation detail: it keeps a k / n share of the gradient's energy
+    whatever the gradient looks like. With `scale=True` each value is multiplied by its
+    stratum's length (size / k when k divides the size), which makes the estimate
+    unbiased but multiplies its variance by about n / k. By default (`scale=False`) the
+    kept values go out as they are and error feedback (on by default) sends the rest
+    later (Stich et al.'s rand-k with memory); the theory of error feedback then asks
+    for a learning rate about k / n times smaller, since an entry waits n / k steps on
+    average and leaves in one burst. At the learning rates people use with momentum SGD
+    both forms diverge unless about half the entries go out: measured on a CNN with SGD
+    (learning rate 0.05, momentum 0.9), error feedback trained at ratio 0.5 (within 2
+    points of uncompressed training) and diverged at 0.25, 0.1 and 0.01, cyclic
+    selection included, and the unbiased form diverged at 0.25. So the default ratio is
+    0.5; smaller ratios suit small learning rates (or learning rates divided by n / k).
     `topk` keeps far more of the energy for the same bytes, because gradients are
     heavy-tailed.
 
