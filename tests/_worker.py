@@ -53,7 +53,8 @@ def main() -> None:
         ops = gs.autotune(strategy, model, compute=0.001 * (rank + 1), accuracy="aggressive",
                           calibrate_numel=20_000, **json.loads(a.options))
         decision = {k: v for k, v in vars(ops.decision).items() if k != "link"}
-        decision["link"] = [ops.decision.link.latency_s, ops.decision.link.bytes_per_s]
+        link = ops.decision.link
+        decision["link"] = [link.latency_s, link.bytes_per_s, link.round_s]
     else:
         ops = gs.CompressedAllReduce(gs.compression.get(a.compression, **json.loads(a.options)),
                                      exchange=a.exchange)

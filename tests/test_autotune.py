@@ -77,6 +77,27 @@ def test_link_fit_takes_latency_from_small_and_bandwidth_from_large_all_reduces(
     assert exchange_seconds("ring", n, 4096, flat) == pytest.approx(0.01)
 
 
+def test_link_fit_prices_all_to_all_rounds_from_the_probe():
+    """The all-to-all of tiny parts is nearly all fixed cost: each round gets its share
+    (N-1 rounds for an even N, N for an odd one), and a two-phase exchange pays them."""
+    sizes, seconds = [4096, 1 << 23], [0.002, 0.2]
+    for n, rounds in ((4, 3), (5, 5), (8, 7)):
+        fit = autotuning.fit_link(sizes, seconds, n, all_to_all_s=0.021)
+        assert fit.round_s == pytest.approx(0.021 / rounds)
+        assert fit.latency_s == autotuning.fit_link(sizes, seconds, n).latency_s
+        assert exchange_seconds("two_phase", n, 0, fit) == pytest.approx(
+            0.021 + (n - 1) * fit.latency_s)
+    assert autotuning.fit_link(sizes, seconds, 4).round_s is None
+
+
+def test_all_to_all_probe_times_the_pairwise_exchange(devices):
+    strategy = _strategy(devices)
+    seconds = autotuning.probe_all_to_all(strategy, repeats=3)
+    assert 0 < seconds < 10
+    one = tf.distribute.MirroredStrategy(devices[:1])
+    assert autotuning.probe_all_to_all(one) == 0.0
+
+
 def _strategy(devices):
     # Not TensorFlow's default collectives: their group keys would clash with the other
     # 4-device strategies of this process.
@@ -97,6 +118,7 @@ def test_autotune_measures_installs_and_trains(devices):
     assert gs._tf_compat.cross_device_ops_of(strategy) is ops
     assert ops.decision.compressor in ("none", "fp16", "topk")
     assert ops.decision.link.bytes_per_s > 0 and ops.decision.link.latency_s > 0
+    assert ops.decision.link.round_s > 0
     # The installed ops serve the strategy's gradient reduction.
     x = tf.random.stateless_normal([8, 32], (1, 2))
     opt = tf.keras.optimizers.SGD(0.1)
@@ -134,6 +156,7 @@ def test_every_worker_reaches_the_same_decision(tmp_path):
     ranks = _worker.launch(str(tmp_path), "--compression=autotune", "--steps=5")
     a, b = (r["decision"] for r in ranks)
     assert a == b
+    assert a["link"][2] > 0           # the all-to-all probe ran across both workers
     assert a["compute_s"] == pytest.approx(0.0015, rel=1e-3)
     assert ranks[0]["fingerprints"] == ranks[1]["fingerprints"]
     np.testing.assert_array_equal(np.asarray(ranks[0]["weights"][0]),

@@ -8,7 +8,9 @@ import tensorflow as tf
 
 import tf_gradsync as gs
 from tf_gradsync import costmodel
-from tf_gradsync.algorithms.cost import Link, bytes_sent, exchange_seconds, parse_bandwidth
+from tf_gradsync.algorithms.cost import (Link, all_to_all_rounds, bytes_sent, exchange_seconds,
+                                         parse_bandwidth)
+from tf_gradsync.algorithms.pairwise import tournament
 from tf_gradsync.compression import Layout
 
 #: A small model's weights: a conv kernel, a dense kernel and biases.
@@ -33,6 +35,8 @@ def test_link_rejects_bad_values():
         Link(latency_s=-1)
     with pytest.raises(ValueError, match="bytes_per_s"):
         Link(bytes_per_s=0)
+    with pytest.raises(ValueError, match="round_s must be >= 0 seconds or None, got -0.1"):
+        Link(round_s=-0.1)
 
 
 @pytest.mark.parametrize("n", [2, 3, 8, 64])
@@ -43,8 +47,14 @@ def test_exchange_prices_follow_alpha_beta(n):
     assert exchange_seconds("tree", n, p, link) == pytest.approx(
         2 * math.ceil(math.log2(n)) * a + 2 * (n - 1) / n * p / b)
     assert exchange_seconds("gather", n, p, link) == pytest.approx((n - 1) * (a + p / b))
+    # The all-to-all's rounds: the tournament's, each one latency unless measured.
+    rounds = len(tournament(n))
+    assert all_to_all_rounds(n) == rounds
     assert exchange_seconds("two_phase", n, p, link, server_bytes=2 * p) == pytest.approx(
-        2 * (n - 1) * a + (n - 1) / n * 3 * p / b)
+        (rounds + n - 1) * a + (n - 1) / n * 3 * p / b)
+    slow_rounds = Link(a, b, round_s=5 * a)
+    assert exchange_seconds("two_phase", n, p, slow_rounds, server_bytes=2 * p) == pytest.approx(
+        (5 * rounds + n - 1) * a + (n - 1) / n * 3 * p / b)
     fast = Link(1e-6, 1e11)
     assert exchange_seconds("hierarchical", n, p, link, local=4, local_link=fast) == pytest.approx(
         exchange_seconds("ring", 4, p, fast) + exchange_seconds("ring", n, p, link))

@@ -2,7 +2,8 @@
 choose the compressor, `bucket_bytes` and exchange.
 
 `autotune(strategy, model, compute=...)` probes the strategy's real link with exact
-all-reduces of several sizes (fitting latency and bandwidth), times each candidate
+all-reduces of several sizes (fitting latency and bandwidth) and one all-to-all of tiny
+parts (the fixed cost of two phases' rounds), times each candidate
 compressor's compress + decompress on this machine and the step's compute, averages
 every measurement over the workers (so each worker reaches the same decision), prices
 every candidate with `tf_gradsync.costmodel` and returns (and installs) the fastest
@@ -18,8 +19,10 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
-from tf_gradsync import _tf_compat, compression, costmodel
+from tf_gradsync import _tf_compat, algorithms, compression, costmodel
+from tf_gradsync.algorithms import cost
 from tf_gradsync.algorithms.cost import Link
+from tf_gradsync.compression.base import SCATTER
 from tf_gradsync.cross_device_ops import CompressedAllReduce
 
 #: Accuracy classes, each including the ones before it (see `Compressor.accuracy`).
@@ -114,8 +117,11 @@ def decide(specs: Sequence[tuple[Sequence[int], tf.DType]], workers: int, link: 
                     tuple(priced))
 
 
-def fit_link(sizes: Sequence[float], seconds: Sequence[float], members: int) -> Link:
-    """Latency and bandwidth from timed ring all-reduces of `sizes` bytes.
+def fit_link(sizes: Sequence[float], seconds: Sequence[float], members: int,
+             all_to_all_s: float | None = None) -> Link:
+    """Latency and bandwidth from timed ring all-reduces of `sizes` bytes, and the cost
+    of an all-to-all round from a timed all-to-all of tiny parts (`all_to_all_s`, see
+    `probe_all_to_all`; None leaves `Link.round_s` unset).
 
     A ring all-reduce of S bytes among N members takes 2(N-1) latencies and moves
     2(N-1)/N S bytes: a line in S, drawn here through the smallest all-reduce (nearly
@@ -138,7 +144,8 @@ def fit_link(sizes: Sequence[float], seconds: Sequence[float], members: int) -> 
     else:
         per_byte = float(min(t / (moved * s)))
     latency = max((t[small] - moved * s[small] * per_byte) / (2 * (n - 1)), 1e-6)
-    return Link(float(latency), float(1.0 / per_byte))
+    rounds = None if all_to_all_s is None else all_to_all_s / cost.all_to_all_rounds(n)
+    return Link(float(latency), float(1.0 / per_byte), rounds)
 
 
 def probe_link(strategy: tf.distribute.Strategy, sizes: Sequence[int] = PROBE_BYTES,
@@ -158,6 +165,30 @@ def probe_link(strategy: tf.distribute.Strategy, sizes: Sequence[int] = PROBE_BY
             return strategy.experimental_local_results(strategy.run(fn))[0]
         out.append(costmodel.median_seconds(step, repeats)[0])
     return out
+
+
+def probe_all_to_all(strategy: tf.distribute.Strategy, repeats: int = 5,
+                     timeout: float = 0) -> float:
+    """Median seconds of one all-to-all of one-word parts among `strategy`'s replicas,
+    run as two phases run theirs (`algorithms.pairwise`: rounds of two-member
+    collectives): what its rounds cost beyond their bytes. Every worker must call it
+    (with the same `repeats`); `timeout` bounds the wait for a missing peer."""
+    devices = tuple(strategy.extended.worker_devices)
+    workers = strategy.num_replicas_in_sync // len(devices)
+    worker = getattr(strategy.cluster_resolver, "task_id", None) or 0
+    group = algorithms.Group(devices, workers, worker, timeout)
+    if group.size < 2:
+        return 0.0
+
+    @tf.function
+    def step():
+        parts = []
+        for d in devices:
+            with tf.device(d):
+                parts.append([(tf.fill([1], float(m)),) for m in range(group.size)])
+        got = algorithms.TWO_PHASE(parts, SCATTER, group, algorithms.Wire())
+        return [p[-1][0] for p in got]
+    return costmodel.median_seconds(step, repeats)[0]
 
 
 def _mean_over_workers(strategy: tf.distribute.Strategy, values: Sequence[float]) -> list[float]:
@@ -244,21 +275,24 @@ def autotune(strategy: tf.distribute.Strategy, weights, *, compute: float | Call
     specs = _specs(weights)
     workers = strategy.num_replicas_in_sync
     probe = probe_link(strategy, probe_bytes) if workers > 1 else []
+    if workers > 1:
+        probe.append(probe_all_to_all(strategy, timeout=ops_kwargs.get("timeout_seconds") or 0))
     rates = [costmodel.measure_throughput(CompressedAllReduce(n).compressor, calibrate_numel,
                                           3)["bytes_per_s"]
              for n in dict.fromkeys(["none", *names])]
     measured = _mean_over_workers(strategy, [*probe, compute_s, *rates])
     probe, compute_s = measured[:len(probe)], measured[len(probe)]
     throughput = dict(zip(dict.fromkeys(["none", *names]), measured[len(probe) + 1:]))
-    link = fit_link(probe_bytes, probe, workers) if workers > 1 else Link()
+    link = fit_link(probe_bytes, probe[:-1], workers, probe[-1]) if workers > 1 else Link()
     decision = decide(specs, workers, link, compute_s, names, throughput, bucket_sizes, overlap)
     ops = decision.ops(**ops_kwargs)
     ops.decision = decision
     logging.info("tf_gradsync.autotune: %s, exchange %s, bucket_bytes %d: predicted %.4g s per "
-                 "step, %.2fx uncompressed (link %.3g us, %.4g Gbit/s; compute %.4g s; %d "
-                 "replicas)", decision.compressor, decision.exchange, decision.bucket_bytes,
-                 decision.predicted_step_s, decision.predicted_speedup, link.latency_s * 1e6,
-                 link.bytes_per_s * 8e-9, compute_s, workers)
+                 "step, %.2fx uncompressed (link %.3g us, %.4g Gbit/s, all-to-all rounds %.3g "
+                 "us; compute %.4g s; %d replicas)", decision.compressor, decision.exchange,
+                 decision.bucket_bytes, decision.predicted_step_s, decision.predicted_speedup,
+                 link.latency_s * 1e6, link.bytes_per_s * 8e-9, link.round_seconds * 1e6,
+                 compute_s, workers)
     if install:
         _install(strategy, ops)
     return ops
@@ -277,4 +311,4 @@ def _install(strategy: tf.distribute.Strategy, ops: CompressedAllReduce) -> None
 
 
 __all__ = ["BUCKET_SIZES", "CLASSES", "Decision", "autotune", "candidates", "decide", "fit_link",
-           "probe_link"]
+           "probe_all_to_all", "probe_link"]

@@ -51,19 +51,36 @@ def parse_bandwidth(text: str | float) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class Link:
-    """A link's latency per message (alpha, seconds) and bandwidth (beta, bytes/s).
+    """A link's latency per message (alpha, seconds) and bandwidth (beta, bytes/s), and
+    the fixed cost of one round of a pairwise all-to-all.
 
     Defaults: 50 us and 1 Gbit/s, what `exchange="auto"` assumes.
+
+    Attributes:
+      latency_s: seconds per message of a ring (one step of a collective all-reduce).
+      bytes_per_s: bandwidth.
+      round_s: seconds of one round of the all-to-all two phases run where the runtime
+        has none (`algorithms.pairwise`: every member in one two-member collective),
+        beyond its bytes; None: one latency. Each round starts a collective of its own,
+        so it costs more than a ring's message: about five of them on CPU workers.
     """
 
     latency_s: float = LATENCY_S
     bytes_per_s: float = BYTES_PER_S
+    round_s: float | None = None
 
     def __post_init__(self):
         if not self.latency_s >= 0:
             raise ValueError(f"latency_s must be >= 0 seconds, got {self.latency_s!r}")
         if not self.bytes_per_s > 0:
             raise ValueError(f"bytes_per_s must be > 0, got {self.bytes_per_s!r}")
+        if self.round_s is not None and not self.round_s >= 0:
+            raise ValueError(f"round_s must be >= 0 seconds or None, got {self.round_s!r}")
+
+    @property
+    def round_seconds(self) -> float:
+        """`round_s`, or one latency where it is None."""
+        return self.latency_s if self.round_s is None else self.round_s
 
     def seconds(self, messages: float, nbytes_: float) -> float:
         """`messages` latencies plus `nbytes_` at the link's bandwidth."""
@@ -79,7 +96,8 @@ def exchange_seconds(kind: str, workers: int, payload_bytes: float, link: Link =
       ring:       2(N-1) messages, 2(N-1)/N P bytes (reduce-scatter + all-gather);
       tree:       2 ceil(log2 N) messages, 2(N-1)/N P bytes (halving-doubling);
       gather:     N-1 messages, (N-1) P bytes;
-      two_phase:  2(N-1) messages, (N-1)/N (P + S) bytes, S the re-compressed chunks;
+      two_phase:  `all_to_all_rounds(N)` rounds (`Link.round_s` each), then N-1
+        messages; (N-1)/N (P + S) bytes, S the re-compressed chunks;
       hierarchical: a ring among the `local` devices of each worker on `local_link`
         (reduce-scatter, then all-gather), and between them each device's ring of its
         P/L shard among N workers, L rings sharing the worker's link: on it, one ring
@@ -110,11 +128,18 @@ def exchange_seconds(kind: str, workers: int, payload_bytes: float, link: Link =
         return link.seconds(n - 1, (n - 1) * payload_bytes)
     if kind == "two_phase":
         server = payload_bytes if server_bytes is None else server_bytes
-        return link.seconds(2 * (n - 1), (n - 1) / n * (payload_bytes + server))
+        return (all_to_all_rounds(n) * link.round_seconds
+                + link.seconds(n - 1, (n - 1) / n * (payload_bytes + server)))
     if kind == "hierarchical":
         inner = exchange_seconds("ring", local, payload_bytes, local_link or link) if local > 1 else 0
         return inner + exchange_seconds("ring", n, payload_bytes, link)
     raise ValueError(f"unknown exchange {kind!r}; valid: {', '.join(KINDS)}")
+
+
+def all_to_all_rounds(members: int) -> int:
+    """Rounds of the pairwise all-to-all among `members` (`algorithms.pairwise.tournament`):
+    N-1 for an even N, N for an odd one."""
+    return members - 1 + members % 2 if members > 1 else 0
 
 
 def bytes_sent(kind: str, workers: int, payload_bytes: float,
@@ -131,5 +156,5 @@ def bytes_sent(kind: str, workers: int, payload_bytes: float,
     raise ValueError(f"unknown exchange {kind!r}; valid: {', '.join(KINDS)}")
 
 
-__all__ = ["BYTES_PER_S", "KINDS", "LATENCY_S", "Link", "UNITS", "bytes_sent", "exchange_seconds",
-           "parse_bandwidth"]
+__all__ = ["BYTES_PER_S", "KINDS", "LATENCY_S", "Link", "UNITS", "all_to_all_rounds", "bytes_sent",
+           "exchange_seconds", "parse_bandwidth"]

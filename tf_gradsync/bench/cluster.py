@@ -184,14 +184,17 @@ def predict(rows: list[dict], probes: list[dict], specs: list, n: int) -> None:
     compressor row it predicts fastest (what `autotune` would choose among them).
 
     Its inputs are measured in the same sitting: the link fitted to the probing
-    all-reduces (`autotuning.fit_link`), each compressor's throughput with every worker
+    all-reduces and all-to-all (`autotuning.fit_link`), each compressor's throughput with every worker
     measuring at once (so the contention for cores is in it), and the compute-only
     row's step as compute.
     """
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
     from tf_gradsync import autotuning, costmodel  # pylint: disable=import-outside-toplevel
     seconds = [sum(p["probe_s"][i] for p in probes) / n for i in range(len(probes[0]["probe_s"]))]
-    link = autotuning.fit_link(probes[0]["probe_bytes"], seconds, n)
+    # Probes from before the all-to-all was timed price its rounds at one latency.
+    all_to_all = ([p["all_to_all_s"] for p in probes] if "all_to_all_s" in probes[0] else None)
+    link = autotuning.fit_link(probes[0]["probe_bytes"], seconds, n,
+                               all_to_all and sum(all_to_all) / n)
     rates = {m: sum(p["throughput"][m] for p in probes) / n for m in probes[0]["throughput"]}
     specs = [(tuple(shape), tf.as_dtype(dtype)) for shape, dtype in specs]
     compute = rows[0]["step_s"]
@@ -205,7 +208,7 @@ def predict(rows: list[dict], probes: list[dict], specs: list, n: int) -> None:
         row["predicted_s"] = p.step_s
         row["codec_s"] = p.codec_s if row["mode"] != "stock MWMS" else 0.0
         row["prediction_error"] = p.step_s / row["step_s"] - 1
-        row["link"] = [link.latency_s, link.bytes_per_s]
+        row["link"] = [link.latency_s, link.bytes_per_s, link.round_s]
         row["pick"] = ""
     ours = rows[2:]
     if ours:

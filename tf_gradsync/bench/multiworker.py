@@ -36,7 +36,8 @@ PLOT = ("mode", "vs_stock", "step time / stock")
 def probe(modes: list[str], numel: int) -> dict:
     """A probing job's part (the cost model's measurements, under the same contention as
     the runs): exact all-reduces of `autotuning.PROBE_BYTES` through TensorFlow's
-    collectives (seconds each), and the throughput of each mode's bucket data path
+    collectives (seconds each), an all-to-all of tiny parts as two phases run it
+    (`autotuning.probe_all_to_all`), and the throughput of each mode's bucket data path
     (`plan.calibrate_throughput`) on `numel` elements, while every
     other worker measures too."""
     import tensorflow as tf
@@ -45,9 +46,10 @@ def probe(modes: list[str], numel: int) -> dict:
     tf.get_logger().setLevel("ERROR")
     strategy = gs.MultiWorkerMirroredStrategy()
     seconds = autotuning.probe_link(strategy)
+    all_to_all = autotuning.probe_all_to_all(strategy, timeout=60)
     rates = plan.calibrate_throughput(modes, numel)
     return {"mode": "probe", "probe_bytes": list(autotuning.PROBE_BYTES), "probe_s": seconds,
-            "throughput": rates}
+            "all_to_all_s": all_to_all, "throughput": rates}
 
 
 def worker(mode: str, params: int, steps: int, batch: int, ifname: str | None = None,
