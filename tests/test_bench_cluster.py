@@ -222,6 +222,10 @@ def test_tiny_end_to_end_run(tmp_path):
         assert row["predicted_s"] > compute["step_s"]
         assert row["prediction_error"] == pytest.approx(row["predicted_s"] / row["step_s"] - 1)
     assert fp16["pick"] == "*" and stock["pick"] == ""
+    # The all-to-all two phases would run, timed by the probe: 2 workers, one round.
+    all_to_all = [p["all_to_all_s"] for p in compute["probes"]]
+    assert all(s > 0 for s in all_to_all)
+    assert stock["link"][2] == pytest.approx(sum(all_to_all) / 2)
     # The JSON keeps what the prediction was made from: predicting again gives it back.
     again = json.loads(out.read_text())
     cluster.predict(again, compute["probes"], compute["specs"], 2)

@@ -20,7 +20,6 @@ import tensorflow as tf
 from absl import logging
 
 from tf_gradsync import _tf_compat, algorithms, compression, costmodel
-from tf_gradsync.algorithms import cost
 from tf_gradsync.algorithms.cost import Link
 from tf_gradsync.compression.base import SCATTER
 from tf_gradsync.cross_device_ops import CompressedAllReduce
@@ -144,7 +143,7 @@ def fit_link(sizes: Sequence[float], seconds: Sequence[float], members: int,
     else:
         per_byte = float(min(t / (moved * s)))
     latency = max((t[small] - moved * s[small] * per_byte) / (2 * (n - 1)), 1e-6)
-    rounds = None if all_to_all_s is None else all_to_all_s / cost.all_to_all_rounds(n)
+    rounds = None if all_to_all_s is None else all_to_all_s / algorithms.cost.all_to_all_rounds(n)
     return Link(float(latency), float(1.0 / per_byte), rounds)
 
 
@@ -189,6 +188,19 @@ def probe_all_to_all(strategy: tf.distribute.Strategy, repeats: int = 5,
         got = algorithms.TWO_PHASE(parts, SCATTER, group, algorithms.Wire())
         return [p[-1][0] for p in got]
     return costmodel.median_seconds(step, repeats)[0]
+
+
+def barrier(strategy: tf.distribute.Strategy) -> Callable[[], None]:
+    """A function that returns once every worker has called it (a one-number all-reduce
+    through `strategy`). Measurements that every worker makes between two of them run
+    at the same time, so each sees the contention a training step sees."""
+    @tf.function
+    def total():
+        return strategy.reduce("SUM", strategy.run(lambda: tf.constant(1.0)), axis=None)
+
+    def wait() -> None:
+        total().numpy()
+    return wait
 
 
 def _mean_over_workers(strategy: tf.distribute.Strategy, values: Sequence[float]) -> list[float]:
@@ -277,8 +289,10 @@ def autotune(strategy: tf.distribute.Strategy, weights, *, compute: float | Call
     probe = probe_link(strategy, probe_bytes) if workers > 1 else []
     if workers > 1:
         probe.append(probe_all_to_all(strategy, timeout=ops_kwargs.get("timeout_seconds") or 0))
+    # Timed at once on every worker, as the codecs run in a step.
+    ready = barrier(strategy) if workers > 1 else None
     rates = [costmodel.measure_throughput(CompressedAllReduce(n).compressor, calibrate_numel,
-                                          3)["bytes_per_s"]
+                                          3, ready=ready)["bytes_per_s"]
              for n in dict.fromkeys(["none", *names])]
     measured = _mean_over_workers(strategy, [*probe, compute_s, *rates])
     probe, compute_s = measured[:len(probe)], measured[len(probe)]
@@ -310,5 +324,5 @@ def _install(strategy: tf.distribute.Strategy, ops: CompressedAllReduce) -> None
                          "tf_gradsync.MultiWorkerMirroredStrategy, or pass install=False")
 
 
-__all__ = ["BUCKET_SIZES", "CLASSES", "Decision", "autotune", "candidates", "decide", "fit_link",
-           "probe_all_to_all", "probe_link"]
+__all__ = ["BUCKET_SIZES", "CLASSES", "Decision", "autotune", "barrier", "candidates", "decide",
+           "fit_link", "probe_all_to_all", "probe_link"]
