@@ -96,7 +96,6 @@ def test_all_to_all_probe_times_the_pairwise_exchange(devices):
     assert 0 < seconds < 10
     one = tf.distribute.MirroredStrategy(devices[:1])
     assert autotuning.probe_all_to_all(one) == 0.0
-    assert autotuning.barrier(strategy)() is None
 
 
 def _strategy(devices):

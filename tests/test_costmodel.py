@@ -168,9 +168,3 @@ def test_measured_throughput_is_positive_and_counts_the_payload():
     assert row["payload_bytes"] == sum(
         b for _, b in costmodel.bucket_rounds(gs.compression.get("int8"),
                                               Layout((costmodel.matrix_shape(100_000),))))
-
-
-def test_median_seconds_runs_ready_between_the_warm_up_and_the_timed_calls():
-    calls = []
-    costmodel.median_seconds(lambda: calls.append("fn"), 2, lambda: calls.append("ready"))
-    assert calls == ["fn", "ready", "fn", "fn"]

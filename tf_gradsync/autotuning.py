@@ -190,19 +190,6 @@ def probe_all_to_all(strategy: tf.distribute.Strategy, repeats: int = 5,
     return costmodel.median_seconds(step, repeats)[0]
 
 
-def barrier(strategy: tf.distribute.Strategy) -> Callable[[], None]:
-    """A function that returns once every worker has called it (a one-number all-reduce
-    through `strategy`). Measurements that every worker makes between two of them run
-    at the same time, so each sees the contention a training step sees."""
-    @tf.function
-    def total():
-        return strategy.reduce("SUM", strategy.run(lambda: tf.constant(1.0)), axis=None)
-
-    def wait() -> None:
-        total().numpy()
-    return wait
-
-
 def _mean_over_workers(strategy: tf.distribute.Strategy, values: Sequence[float]) -> list[float]:
     """Every worker's `values` averaged (exactly): every worker gets the same numbers."""
     v = tf.constant(values, tf.float32)
@@ -289,10 +276,8 @@ def autotune(strategy: tf.distribute.Strategy, weights, *, compute: float | Call
     probe = probe_link(strategy, probe_bytes) if workers > 1 else []
     if workers > 1:
         probe.append(probe_all_to_all(strategy, timeout=ops_kwargs.get("timeout_seconds") or 0))
-    # Timed at once on every worker, as the codecs run in a step.
-    ready = barrier(strategy) if workers > 1 else None
     rates = [costmodel.measure_throughput(CompressedAllReduce(n).compressor, calibrate_numel,
-                                          3, ready=ready)["bytes_per_s"]
+                                          3)["bytes_per_s"]
              for n in dict.fromkeys(["none", *names])]
     measured = _mean_over_workers(strategy, [*probe, compute_s, *rates])
     probe, compute_s = measured[:len(probe)], measured[len(probe)]
@@ -324,5 +309,5 @@ def _install(strategy: tf.distribute.Strategy, ops: CompressedAllReduce) -> None
                          "tf_gradsync.MultiWorkerMirroredStrategy, or pass install=False")
 
 
-__all__ = ["BUCKET_SIZES", "CLASSES", "Decision", "autotune", "barrier", "candidates", "decide",
+__all__ = ["BUCKET_SIZES", "CLASSES", "Decision", "autotune", "candidates", "decide",
            "fit_link", "probe_all_to_all", "probe_link"]

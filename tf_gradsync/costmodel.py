@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import Any, Callable, Sequence
+from typing import Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -247,17 +247,12 @@ def matrix_shape(numel: int) -> tuple[int, int]:
     return numel // cols, cols
 
 
-def median_seconds(fn, repeats: int, ready: Callable[[], Any] | None = None
-                   ) -> tuple[float, object]:
+def median_seconds(fn, repeats: int) -> tuple[float, object]:
     """Median wall seconds of `fn()` over `repeats` calls after one untimed call (which
-    traces and warms up), waiting for every tensor it returns; also that first result.
-    `ready` runs between the untimed call and the timed ones (e.g. a barrier, so that
-    every worker times at once)."""
+    traces and warms up), waiting for every tensor it returns; also that first result."""
     def wait(result):
         return tf.nest.map_structure(lambda t: t.numpy() if hasattr(t, "numpy") else t, result)
     first = wait(fn())
-    if ready is not None:
-        ready()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -267,7 +262,7 @@ def median_seconds(fn, repeats: int, ready: Callable[[], Any] | None = None
 
 
 def measure_throughput(compressor: Compressor | str, numel: int, repeats: int = 5,
-                       data_path: bool = True, ready: Callable[[], Any] | None = None) -> dict:
+                       data_path: bool = True) -> dict:
     """Times compress + decompress of `numel` float32 elements (one weight matrix) on
     this machine's current threads: `{"seconds": median, "bytes_per_s": of input,
     "payload_bytes": sent}`.
@@ -280,14 +275,13 @@ def measure_throughput(compressor: Compressor | str, numel: int, repeats: int = 
         replicas and the error measurement): the throughput the cost model prices a
         step with, and what every calibration uses. False: the codec alone (the micro
         benchmark's figure).
-      ready: see `median_seconds`.
     """
     compressor = get(compressor)
     x = tf.random.stateless_normal([numel], (1, 2))
     layout = Layout((matrix_shape(numel),))
     run = (roundtrip_fn(compressor, layout, replicas=2, measure_error=True) if data_path
            else roundtrip_fn(compressor, layout))
-    sec, first = median_seconds(lambda: run(x), repeats, ready)
+    sec, first = median_seconds(lambda: run(x), repeats)
     return {"seconds": sec, "bytes_per_s": numel * 4 / sec, "payload_bytes": int(first[1])}
 
 __all__ = ["BucketPayload", "DECODE_SHARE", "DEFAULT_THROUGHPUT", "Prediction", "THROUGHPUT",

@@ -143,16 +143,13 @@ def calibrate_compute(model: str | None, params: int | None, batch: int, repeats
     return costmodel.median_seconds(step, repeats)[0]
 
 
-def calibrate_throughput(specs: Sequence[str], numel: int = CALIBRATE_NUMEL, repeats: int = 3,
-                         ready=None) -> dict[str, float]:
+def calibrate_throughput(specs: Sequence[str], numel: int = CALIBRATE_NUMEL) -> dict[str, float]:
     """Bytes of float32 input per second through a bucket's data path (prescale,
     compress with error feedback, decode, mean, compression error) with this process's
-    threads, per compressor spec, as `CompressedAllReduce` builds it; `ready` runs
-    before each spec's timed calls (see `costmodel.median_seconds`)."""
+    threads, per compressor spec, as `CompressedAllReduce` builds it."""
     from tf_gradsync import costmodel  # pylint: disable=import-outside-toplevel
     from tf_gradsync.bench import ops_from_spec  # pylint: disable=import-outside-toplevel
-    return {s: costmodel.measure_throughput(ops_from_spec(s).compressor, numel, repeats,
-                                            ready=ready)["bytes_per_s"]
+    return {s: costmodel.measure_throughput(ops_from_spec(s).compressor, numel, 3)["bytes_per_s"]
             for s in specs}
 
 

@@ -62,7 +62,8 @@ class Link:
       round_s: seconds of one round of the all-to-all two phases run where the runtime
         has none (`algorithms.pairwise`: every member in one two-member collective),
         beyond its bytes; None: one latency. Each round starts a collective of its own,
-        so it costs more than a ring's message: about five of them on CPU workers.
+        so it costs more than a ring's message (1.3 to 4.3 of them in the cluster
+        bench's sittings, BENCHMARKS.md).
     """
 
     latency_s: float = LATENCY_S

@@ -47,10 +47,7 @@ def probe(modes: list[str], numel: int) -> dict:
     strategy = gs.MultiWorkerMirroredStrategy()
     seconds = autotuning.probe_link(strategy)
     all_to_all = autotuning.probe_all_to_all(strategy, timeout=60)
-    # Every worker times each mode at once (a barrier after its warm-up): unsynchronised,
-    # one worker's timing met another's tracing, and a mode's rate varied 2-3x between
-    # two sittings of the same command.
-    rates = plan.calibrate_throughput(modes, numel, 5, autotuning.barrier(strategy))
+    rates = plan.calibrate_throughput(modes, numel)
     return {"mode": "probe", "probe_bytes": list(autotuning.PROBE_BYTES), "probe_s": seconds,
             "all_to_all_s": all_to_all, "throughput": rates}
 
