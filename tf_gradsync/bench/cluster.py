@@ -185,8 +185,8 @@ def predict(rows: list[dict], probes: list[dict], specs: list, n: int) -> None:
 
     Its inputs are measured in the same sitting: the link fitted to the probing
     all-reduces and all-to-all (`autotuning.fit_link`), each compressor's throughput
-    with every worker measuring at once (so the contention for cores is in it), and the
-    compute-only row's step as compute.
+    timed while every worker times them (unsynchronised, so the contention for cores is
+    in it), and the compute-only row's step as compute.
     """
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
     from tf_gradsync import autotuning, costmodel  # pylint: disable=import-outside-toplevel
