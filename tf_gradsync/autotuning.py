@@ -273,9 +273,10 @@ def autotune(strategy: tf.distribute.Strategy, weights, *, compute: float | Call
                          f"one step, got {compute!r}")
     specs = _specs(weights)
     workers = strategy.num_replicas_in_sync
-    probe = probe_link(strategy, probe_bytes) if workers > 1 else []
-    if workers > 1:
-        probe.append(probe_all_to_all(strategy, timeout=ops_kwargs.get("timeout_seconds") or 0))
+    # The all-reduces' seconds, then the all-to-all's.
+    probe = ([*probe_link(strategy, probe_bytes),
+              probe_all_to_all(strategy, timeout=ops_kwargs.get("timeout_seconds") or 0)]
+             if workers > 1 else [])
     rates = [costmodel.measure_throughput(CompressedAllReduce(n).compressor, calibrate_numel,
                                           3)["bytes_per_s"]
              for n in dict.fromkeys(["none", *names])]
