@@ -15,6 +15,7 @@ reports a different compute time; the decision is written out too).
 
 import argparse
 import hashlib
+import io
 import json
 import os
 
@@ -24,13 +25,26 @@ import tensorflow as tf
 import _regression  # tests/_regression.py, next to this script
 from _multiworker import run_launcher
 import tf_gradsync as gs
+from tf_gradsync import launch as gs_launch
 
 
-def launch(out, *args, workers: int = 2) -> list[dict]:
-    """Runs this script on `workers` local workers (from a test); returns their results."""
-    proc, _ = run_launcher(os.path.abspath(__file__), workers, f"--out={out}", *args,
-                           timeout=300)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+def launch(out, *args, workers: int = 2, chief: bool = False) -> list[dict]:
+    """Runs this script on `workers` local workers (from a test); returns their results
+    in TensorFlow's order. With `chief`, the first task is a chief (the rest workers
+    0, 1, ...), as in TF_CONFIGs written for Keras."""
+    script = [os.path.abspath(__file__), f"--out={out}", *args]
+    if not chief:
+        proc, _ = run_launcher(script[0], workers, *script[1:], timeout=300)
+        assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    else:
+        addresses = [f"127.0.0.1:{p}" for p in gs_launch.free_ports(workers)]
+        cluster = {"chief": addresses[:1], "worker": addresses[1:]}
+        configs = [{"cluster": cluster, "task": {"type": t, "index": i}}
+                   for t, i in [("chief", 0)] + [("worker", i) for i in range(workers - 1)]]
+        log = io.StringIO()
+        job = gs_launch.Job(script, configs, grace_seconds=3, out=log,
+                            env={"PYTHONPATH": os.path.dirname(os.path.dirname(script[0]))})
+        assert job.wait(timeout=300) == 0, log.getvalue()[-6000:]
     return [json.loads(open(os.path.join(out, f"worker_{r}.json")).read()) for r in range(workers)]
 
 
@@ -45,7 +59,10 @@ def main() -> None:
     p.add_argument("--restore", default=None, help="checkpoint prefix; {rank} is replaced")
     p.add_argument("--save", default=None, help="checkpoint directory; {rank} is replaced")
     a = p.parse_args()
-    rank = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+    config = json.loads(os.environ["TF_CONFIG"])
+    # TensorFlow's order: a chief first, then the workers.
+    rank = config["task"]["index"] + (config["task"]["type"] == "worker" and
+                                      "chief" in config["cluster"])
     decision = None
     if a.compression == "autotune":
         strategy = gs.MultiWorkerMirroredStrategy()

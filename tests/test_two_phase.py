@@ -228,14 +228,16 @@ def test_pipeline_on_four_devices_matches_the_driver(devices, name):
 
 
 @pytest.mark.slow
-def test_three_workers_match_three_devices_of_one_process(tmp_path, devices):
+@pytest.mark.parametrize("workers,chief", [(3, False), (2, True)], ids=["3-workers", "chief"])
+def test_workers_match_devices_of_one_process(tmp_path, devices, workers, chief):
     """Pairwise collectives across worker processes compute what copies between the
-    devices of one process compute, and the workers agree step by step."""
+    devices of one process compute, and the workers agree step by step; in a job with
+    a chief task, the chief and worker 0 take distinct places (chunk owners, seeds)."""
     import _regression
     import _worker
-    steps, workers = 8, 3
+    steps = 8
     runs = _worker.launch(tmp_path, "--compression=sign", "--exchange=two_phase",
-                          f"--steps={steps}", workers=workers)
+                          f"--steps={steps}", workers=workers, chief=chief)
     for run in runs[1:]:
         assert run["fingerprints"] == runs[0]["fingerprints"]
 

@@ -83,6 +83,16 @@ def cross_device_ops_of(strategy) -> object:
     return strategy.extended._cross_device_ops  # pylint: disable=protected-access
 
 
+def worker_position(strategy) -> tuple[int, int]:
+    """`(index, count)`: this worker's place among the job's workers, as TensorFlow numbers
+    them for its collectives (a chief first: the chief is 0 and worker i is i + 1, so
+    a chief and worker 0 never share an index); `(0, 1)` in one process."""
+    extended = strategy.extended
+    index = getattr(extended, "_id_in_cluster", 0)  # pylint: disable=protected-access
+    count = getattr(extended, "_num_workers", 1)  # pylint: disable=protected-access
+    return int(index or 0), max(int(count or 1), 1)
+
+
 def set_cross_device_ops(strategy, ops) -> None:
     """Makes such a strategy use `ops` for every later reduction."""
     strategy.extended._cross_device_ops = ops  # pylint: disable=protected-access

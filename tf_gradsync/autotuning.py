@@ -173,8 +173,7 @@ def probe_all_to_all(strategy: tf.distribute.Strategy, repeats: int = 5,
     collectives): what its rounds cost beyond their bytes. Every worker must call it
     (with the same `repeats`); `timeout` bounds the wait for a missing peer."""
     devices = tuple(strategy.extended.worker_devices)
-    workers = strategy.num_replicas_in_sync // len(devices)
-    worker = getattr(strategy.cluster_resolver, "task_id", None) or 0
+    worker, workers = _tf_compat.worker_position(strategy)
     group = algorithms.Group(devices, workers, worker, timeout)
     if group.size < 2:
         return 0.0

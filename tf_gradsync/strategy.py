@@ -89,11 +89,10 @@ class MultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
         if not isinstance(ops, CompressedAllReduce):
             raise ValueError(f"cross_device_ops must be a tf_gradsync.CompressedAllReduce, "
                              f"got {ops!r}")
-        extended = self.extended
-        ops.join_cluster(max(extended._num_workers, 1), self._exact_ops,  # pylint: disable=protected-access
-                         extended._task_id or 0)  # pylint: disable=protected-access
+        index, count = _tf_compat.worker_position(self)
+        ops.join_cluster(count, self._exact_ops, index)
         _tf_compat.set_cross_device_ops(self, ops)
-        _tf_compat.use_merge_call_for_all_reduce(extended)
+        _tf_compat.use_merge_call_for_all_reduce(self.extended)
 
     @property
     def cross_device_ops(self) -> CompressedAllReduce | None:
