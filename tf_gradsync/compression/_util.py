@@ -133,7 +133,8 @@ def top_k_indices(mag: tf.Tensor, k: int, full: tf.Tensor | bool = False,
     r = math.ceil(expected + 5 * math.sqrt(expected) + 8)
     if n < min_numel or 2 * r > s:
         return tf.math.top_k(mag, k, sorted=False).indices
-    pick = tf.random.stateless_uniform([s], _TOPK_SEED, 0, n, dtype=tf.int32)
+    pick = tf.random.stateless_uniform([s], _TOPK_SEED, 0, n, dtype=tf.int32,
+                                    alg="philox")
     thr = tf.math.top_k(tf.gather(mag, pick), r, sorted=True).values[r - 1]
     cand = tf.cast(tf.where(mag >= thr)[:, 0], tf.int32)
     cand_mag = tf.gather(mag, cand)
@@ -183,7 +184,8 @@ def select(mag: tf.Tensor, k: int, seed: tf.Tensor, sample_ratio: float,
     n = numel(mag)
     s = min(n, max(min_sample, math.ceil(sample_ratio * n)))
     if s < n:
-        sample = tf.gather(mag, tf.random.stateless_uniform([s], seed, 0, n, dtype=tf.int32))
+        sample = tf.gather(mag, tf.random.stateless_uniform([s], seed, 0, n, dtype=tf.int32,
+                                                             alg="philox"))
         # Aim the threshold at about 2k entries so the candidates almost always hold
         # the true top k; ranking 2k candidates is still cheap.
         ks = min(s, max(1, math.ceil(k * 2 * s / n)))

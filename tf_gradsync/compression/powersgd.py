@@ -23,7 +23,7 @@ _Q_SEED = (0x5067, 0x5347)   # fixed: the initial Q is the same on every replica
 
 
 def _initial_q(shape, dtype, seed=_Q_SEED) -> tf.Tensor:
-    return tf.random.stateless_normal(shape, tf.cast(seed, tf.int64), dtype=dtype)
+    return tf.random.stateless_normal(shape, tf.cast(seed, tf.int64), dtype=dtype, alg="philox")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -62,7 +62,7 @@ class QSGD(Compressor):
         v = tf.cast(x, wd)
         norm = tf.sqrt(seg.sum(tf.square(v)))
         a = seg.apply(tf.math.divide_no_nan, tf.abs(v) * self.levels, norm)
-        u = tf.random.stateless_uniform(tf.shape(v), ctx.replica_seed(), dtype=wd)
+        u = tf.random.stateless_uniform(tf.shape(v), ctx.replica_seed(), dtype=wd, alg="philox")
         level = tf.minimum(tf.floor(a + u), self.levels)
         q = tf.cast(tf.sign(v) * level, tf.int8)
         return (q, norm + _util.poison(x, wd)), (seg, x.dtype)

@@ -107,7 +107,7 @@ class TernGrad(Compressor):
             v = tf.where(bound > 0, tf.clip_by_value(v, -bound, bound), v)
         magnitude = tf.abs(v)       # once, for the scale and the draws
         scale = seg.max(magnitude)
-        u = tf.random.stateless_uniform(tf.shape(v), ctx.replica_seed(), dtype=wd)
+        u = tf.random.stateless_uniform(tf.shape(v), ctx.replica_seed(), dtype=wd, alg="philox")
         keep = u < seg.apply(tf.math.divide_no_nan, magnitude, scale)
         codes = tf.where(keep, tf.where(v > 0, 1, 2), 0)
         return (_util.pack(codes, 2), scale + _util.poison(x, wd)), (seg, x.dtype)
