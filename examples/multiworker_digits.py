@@ -97,7 +97,7 @@ def main(argv):
             gpus_per_task=None if gpus else 1, auto_set_gpu=gpus > 0)
     strategy = gs.MultiWorkerMirroredStrategy(cross_device_ops=ops, cluster_resolver=resolver,
                                               communication_options=options)
-    rank = strategy.cluster_resolver.task_id or 0
+    rank = strategy.worker_index     # a chief, if the cluster has one, is 0
     keras = tf.keras
     x_train, x_test, y_train, y_test = train_digits.load_data(0)
     with strategy.scope():
@@ -142,7 +142,7 @@ def backup_callback(keras, backup_dir: str, save_freq, rank: int):
     tf_keras' callback coordinates the workers itself. Keras 3's knows nothing of them:
     here each worker backs up into its own sub-directory (no two processes write one
     file), and before training every other worker replaces its copy with the chief's
-    (worker 0), so all resume from the same epoch with the same weights even when one
+    (index 0), so all resume from the same epoch with the same weights even when one
     worker died just before a backup that the others completed. Nothing is written
     during the copy: the chief backs up only after training steps, which wait for every
     worker. `double_checkpoint` keeps the previous backup in case the newest one was cut

@@ -59,13 +59,10 @@ def main() -> None:
     p.add_argument("--restore", default=None, help="checkpoint prefix; {rank} is replaced")
     p.add_argument("--save", default=None, help="checkpoint directory; {rank} is replaced")
     a = p.parse_args()
-    config = json.loads(os.environ["TF_CONFIG"])
-    # TensorFlow's order: a chief first, then the workers.
-    rank = config["task"]["index"] + (config["task"]["type"] == "worker" and
-                                      "chief" in config["cluster"])
     decision = None
     if a.compression == "autotune":
         strategy = gs.MultiWorkerMirroredStrategy()
+        rank = strategy.worker_index
         model, opt = _regression.model_and_optimizer(strategy, 16, 4)
         ops = gs.autotune(strategy, model, compute=0.001 * (rank + 1), accuracy="aggressive",
                           calibrate_numel=20_000, **json.loads(a.options))
@@ -76,6 +73,7 @@ def main() -> None:
         ops = gs.CompressedAllReduce(gs.compression.get(a.compression, **json.loads(a.options)),
                                      exchange=a.exchange)
         strategy = gs.MultiWorkerMirroredStrategy(cross_device_ops=ops)
+        rank = strategy.worker_index
         model, opt = _regression.model_and_optimizer(strategy, 16, 4)
     step = _regression.train_step(strategy, model, opt)
     ckpt = tf.train.Checkpoint(model=model, optimizer=opt, gradsync=ops)

@@ -89,10 +89,22 @@ class MultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
         if not isinstance(ops, CompressedAllReduce):
             raise ValueError(f"cross_device_ops must be a tf_gradsync.CompressedAllReduce, "
                              f"got {ops!r}")
-        index, count = _tf_compat.worker_position(self)
-        ops.join_cluster(count, self._exact_ops, index)
+        ops.join_cluster(self.num_workers, self._exact_ops, self.worker_index)
         _tf_compat.set_cross_device_ops(self, ops)
         _tf_compat.use_merge_call_for_all_reduce(self.extended)
+
+    @property
+    def worker_index(self) -> int:
+        """This worker's place in the job, 0 to `num_workers` - 1, as TensorFlow's
+        collectives number it: a chief task first, then the workers (Horovod's rank).
+        Per-worker files belong under it, not under the TF_CONFIG task index, which a
+        chief and worker 0 share."""
+        return _tf_compat.worker_position(self)[0]
+
+    @property
+    def num_workers(self) -> int:
+        """Processes in the job, a chief included (Horovod's size)."""
+        return _tf_compat.worker_position(self)[1]
 
     @property
     def cross_device_ops(self) -> CompressedAllReduce | None:
