@@ -133,8 +133,7 @@ def top_k_indices(mag: tf.Tensor, k: int, full: tf.Tensor | bool = False,
     r = math.ceil(expected + 5 * math.sqrt(expected) + 8)
     if n < min_numel or 2 * r > s:
         return tf.math.top_k(mag, k, sorted=False).indices
-    pick = tf.random.stateless_uniform([s], _TOPK_SEED, 0, n, dtype=tf.int32,
-                                    alg="philox")
+    pick = tf.random.stateless_uniform([s], _TOPK_SEED, 0, n, dtype=tf.int32, alg="philox")
     thr = tf.math.top_k(tf.gather(mag, pick), r, sorted=True).values[r - 1]
     cand = tf.cast(tf.where(mag >= thr)[:, 0], tf.int32)
     cand_mag = tf.gather(mag, cand)
