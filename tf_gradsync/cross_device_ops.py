@@ -104,7 +104,7 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
 
         Args:
           num_workers: workers in the job, each with the same local devices.
-          worker_index: this worker's task id.
+          worker_index: this worker's place in the job (the strategy's `worker_index`).
           exact_ops: the strategy's own collective ops, which keep serving everything
             that is not a compressible gradient all-reduce (metrics, integers,
             IndexedSlices, gathers, broadcasts) exactly; IndexedSlices values are

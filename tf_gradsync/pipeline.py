@@ -66,7 +66,7 @@ class Pipeline:
         #: Workers taking part (set by a multi-worker strategy). Each has the same
         #: number of local devices; with more than one, exchanges cross workers.
         self.num_workers = 1
-        #: This worker's index among them (its task id).
+        #: This worker's index among them (TensorFlow's: a chief first).
         self.worker_index = 0
 
     # ----------------------------------------------------------------- entry point
