@@ -154,6 +154,23 @@ def test_replicas_round_independently(name):
     assert err[1] < 0.6 * err[0], err
 
 
+@pytest.mark.parametrize("byteorder", ["little", "big"])
+@pytest.mark.parametrize("bits", [1, 2, 4])
+def test_pack_matches_numpy_and_unpacks(bits, byteorder, monkeypatch):
+    """Codes packed LSB first, 8 // bits per byte, the last byte padded with zeros: by
+    one multiply per word on little-endian hosts, by a weighted sum elsewhere."""
+    monkeypatch.setattr(_util.sys, "byteorder", byteorder)
+    per = 8 // bits
+    for n in (1, per + 1, 8 * 1001 + 3):
+        codes = np.random.default_rng(n).integers(0, 1 << bits, n)
+        want = (np.pad(codes, (0, -n % per)).reshape(-1, per)
+                << (bits * np.arange(per))).sum(1).astype(np.uint8)
+        for fn in (_util.pack, tf.function(_util.pack, reduce_retracing=False)):
+            got = fn(tf.constant(codes, tf.int32), bits).numpy()
+            np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(_util.unpack(tf.constant(got), bits, n).numpy(), codes)
+
+
 # ----------------------------------------------------------------- numpy models
 def _packbits(bits):
     return np.packbits(np.asarray(bits, np.uint8), bitorder="little")
