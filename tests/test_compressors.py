@@ -154,6 +154,29 @@ def test_replicas_round_independently(name):
     assert err[1] < 0.6 * err[0], err
 
 
+def test_error_terms_are_accurate_on_large_buckets():
+    """The squared norms behind `comm_error` (and the residual's finiteness check) keep
+    float32's precision on a bucket of 20M entries (a dot product of the bucket with
+    itself read 1.6% low)."""
+    n = 20_000_000
+    x = np.random.default_rng(0).standard_normal(n).astype(np.float32)
+    want = float(np.sum(x.astype(np.float64) ** 2))
+    residual = tf.Variable(tf.zeros([n]))
+
+    @tf.function
+    def terms(x):
+        ctx = C.Context(errors=[])
+        ctx.record_error(x, None)
+        ctx.keep_residual(residual, x, x * 0.5)
+        return ctx.errors
+    (err0, norm0), (err1, norm1) = terms(tf.constant(x))
+    assert float(err0) == 0
+    assert float(norm0) == pytest.approx(want, rel=1e-6)
+    assert float(norm1) == pytest.approx(want, rel=1e-6)
+    assert float(err1) == pytest.approx(want / 4, rel=1e-6)
+    np.testing.assert_array_equal(residual.numpy(), x * 0.5)
+
+
 @pytest.mark.parametrize("byteorder", ["little", "big"])
 @pytest.mark.parametrize("bits", [1, 2, 4])
 def test_pack_matches_numpy_and_unpacks(bits, byteorder, monkeypatch):

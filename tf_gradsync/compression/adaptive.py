@@ -13,7 +13,8 @@ from typing import Sequence
 import tensorflow as tf
 
 from tf_gradsync.compression import _util
-from tf_gradsync.compression.base import Compressor, Context, Layout, StateSpec, get, register
+from tf_gradsync.compression.base import (Compressor, Context, Layout, StateSpec, get, register,
+                                          sum_of_squares)
 from tf_gradsync.compression.randomk import RandomK
 from tf_gradsync.compression.threshold import Threshold
 from tf_gradsync.compression.topk import TopK
@@ -141,7 +142,7 @@ class Adaptive(Compressor):
         accum = s["accum"] + tf.where(finite, g, 0)
         count = s["count"] + tf.cast(finite, tf.int64)
         end = count >= self.interval
-        norm, prev = tf.norm(accum), s["prev_norm"]
+        norm, prev = tf.sqrt(sum_of_squares(accum)), s["prev_norm"]
         change = tf.abs(norm - prev)
         critical = (change >= self.threshold * prev) & (change > 0)
         level = s["level"].read_value()
