@@ -23,7 +23,7 @@ import numpy as np
 import tensorflow as tf
 
 import _regression  # tests/_regression.py, next to this script
-from _multiworker import run_launcher
+from _multiworker import ROOT, run_launcher
 import tf_gradsync as gs
 from tf_gradsync import launch as gs_launch
 
@@ -43,7 +43,7 @@ def launch(out, *args, workers: int = 2, chief: bool = False) -> list[dict]:
                    for t, i in [("chief", 0)] + [("worker", i) for i in range(workers - 1)]]
         log = io.StringIO()
         job = gs_launch.Job(script, configs, grace_seconds=3, out=log,
-                            env={"PYTHONPATH": os.path.dirname(os.path.dirname(script[0]))})
+                            env={"PYTHONPATH": ROOT, "TF_CPP_MIN_LOG_LEVEL": "2"})
         assert job.wait(timeout=300) == 0, log.getvalue()[-6000:]
     return [json.loads(open(os.path.join(out, f"worker_{r}.json")).read()) for r in range(workers)]
 
