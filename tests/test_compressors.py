@@ -878,7 +878,8 @@ def test_powersgd_error_feedback_conserves_mass():
         np.testing.assert_allclose(out.results[0].numpy(), out.results[1].numpy())
         sent = sent + out.results[0].numpy()
         total = total + tf.add_n(xs).numpy() / 2
-    np.testing.assert_allclose(sent + sum(s["residual"].numpy() for s in states), total,
+    # Not prescaled: each residual is in its replica's units, and the mean holds 1/2 of it.
+    np.testing.assert_allclose(sent + sum(s["residual"].numpy() for s in states) / 2, total,
                                rtol=1e-5, atol=1e-3)
 
 
@@ -892,6 +893,38 @@ def test_powersgd_without_error_feedback_keeps_no_residual():
     # The first step is the same (the residual starts at zero); the error is measured.
     np.testing.assert_allclose(a.results[0].numpy(), b.results[0].numpy(), rtol=1e-5, atol=1e-6)
     assert a.error == pytest.approx(b.error, rel=1e-5) and a.error > 0
+
+
+@pytest.mark.parametrize("error_feedback", [True, False])
+def test_powersgd_error_terms_match_numpy(error_feedback):
+    """The error terms come from Q_i's norm, not a pass over the residual: they equal
+    numpy's ||M - P_hat Q_i^T||^2 and ||M||^2 (M = x + e), summed over both replicas,
+    each tensor at its own scale, over steps where the residual is not zero."""
+    c = C.get("powersgd", rank=1, start_iter=0, min_compression_rate=1,
+              error_feedback=error_feedback)
+    plan = c.plan(LAYOUT)
+    states = [make_state(c, LAYOUT) for _ in range(2)]
+    for step in range(3):
+        xs = [rand(N, seed=10 * step + i, scales=SCALES) for i in range(2)]
+        ms = [x.numpy().astype(np.float64) + (s["residual"].numpy() if error_feedback else 0)
+              for x, s in zip(xs, states)]
+        q_all = states[0]["q"].numpy().astype(np.float64)
+        want_err = want_norm = 0.0
+        for a in plan.matrices:
+            mats = [m[a.offset:a.offset + a.size].reshape(a.rows, a.cols) for m in ms]
+            q = q_all[a.q_offset:a.q_offset + a.cols * a.rank].reshape(a.cols, a.rank)
+            p_hat = np.linalg.qr(sum(m @ q for m in mats))[0]
+            want_err += sum(np.sum((m - p_hat @ (m.T @ p_hat).T) ** 2) for m in mats)
+            want_norm += sum(np.sum(m ** 2) for m in mats)
+        for o, size in plan.dense:
+            want_norm += sum(np.sum(m[o:o + size] ** 2) for m in ms)
+            want_err += sum(np.sum((m - x.numpy())[o:o + size] ** 2) for m, x in zip(ms, xs))
+        out = reduce(c, xs, states, step=step, shapes=SHAPES, mean=True)
+        assert float(out.norm_sq) == pytest.approx(want_norm, rel=1e-5)
+        assert float(out.error_sq) == pytest.approx(want_err, rel=1e-4)
+        if error_feedback:   # and the residual kept is that error
+            kept = sum(np.sum(s["residual"].numpy().astype(np.float64) ** 2) for s in states)
+            assert kept == pytest.approx(want_err, rel=1e-4)
 
 
 @pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: d.name)

@@ -150,11 +150,12 @@ class Context:
         return seed + tf.constant([0, (self.replica + 1) * 0x9E3779B1], tf.int64)
 
     def record_error(self, x: tf.Tensor, approx: tf.Tensor | None, *,
-                     error_sq: tf.Tensor | None = None) -> None:
+                     error_sq: tf.Tensor | None = None,
+                     norm_sq: tf.Tensor | None = None) -> None:
         """Records ||x - approx||^2 and ||x||^2 (x: what was compressed, approx: what
         this replica's payload decodes to, None when x was sent exactly) when errors
-        are measured. `error_sq`, when the caller already has ||x - approx||^2 (the
-        residual's squared norm), is recorded instead of computing it again."""
+        are measured. `error_sq` and `norm_sq`, when the caller already has them (the
+        residual's squared norm, say), are recorded instead of computing them again."""
         if self.errors is None:
             return
         wd = tf.float64 if x.dtype == tf.float64 else tf.float32
@@ -166,9 +167,12 @@ class Context:
             err = tf.zeros([], wd)
         else:
             err = tf.reduce_sum(tf.math.squared_difference(x, tf.cast(approx, wd)))
-        self.errors.append((err, sum_of_squares(x)))
+        norm = sum_of_squares(x) if norm_sq is None else tf.cast(norm_sq, wd)
+        self.errors.append((err, norm))
 
-    def keep_residual(self, residual: tf.Variable, x: tf.Tensor, new: tf.Tensor) -> None:
+    def keep_residual(self, residual: tf.Variable, x: tf.Tensor, new: tf.Tensor, *,
+                      error_sq: tf.Tensor | None = None,
+                      norm_sq: tf.Tensor | None = None) -> None:
         """Stores `new` = x - (what x's payload decodes to) as the error-feedback
         residual, or zeros when it is not finite, and records the compression error.
 
@@ -176,12 +180,15 @@ class Context:
         a sum over every entry, it is not finite exactly when some entry is not (or,
         beyond 1e19 in float32, overflows: the residual then restarts, harmlessly). So
         a non-finite step (a NaN/Inf gradient) resets the residual without an
-        elementwise check or select over the bucket.
+        elementwise check or select over the bucket. A caller that has ||new||^2 (and
+        ||x||^2) without reading `new` passes them as `error_sq` (and `norm_sq`); it
+        must be non-finite whenever `new` is.
         """
-        error_sq = sum_of_squares(new)
+        if error_sq is None:
+            error_sq = sum_of_squares(new)
         residual.assign(tf.cond(tf.math.is_finite(error_sq), lambda: new,
                                 lambda: tf.zeros_like(new)))
-        self.record_error(x, None, error_sq=error_sq)
+        self.record_error(x, None, error_sq=error_sq, norm_sq=norm_sq)
 
 
 def sum_of_squares(x: tf.Tensor) -> tf.Tensor:

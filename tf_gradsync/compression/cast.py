@@ -17,15 +17,13 @@ from tf_gradsync.compression.base import Compressor, Context, register
 class _Cast(Compressor):
     """Casts to a 16-bit wire dtype; halves the bytes of float32 gradients.
 
-    Input is divided by the replica count before the cast (`prescale`), so the sum of
-    all replicas' payloads on the wire is a mean and cannot overflow float16. Summation
-    along a ring accumulates in float32 at each hop and is rounded once per hop.
+    Summation along a ring accumulates in float32 at each hop and is rounded once per
+    hop.
     """
 
     accuracy = "lossless"
 
     wire_dtype: ClassVar[tf.DType]
-    prescale = True
 
     def compress(self, x: tf.Tensor, ctx: Context):
         del ctx
@@ -43,16 +41,23 @@ class _Cast(Compressor):
 class Float16(_Cast):
     """IEEE half precision (11-bit significand, range +-65504).
 
+    Input is divided by the replica count before the cast (`prescale`), so the sum of
+    all replicas' payloads on the wire is a mean and cannot overflow float16.
+
     Example:
       >>> ops = tf_gradsync.CompressedAllReduce("fp16")
     """
 
     wire_dtype = tf.float16
+    prescale = True
 
 
 @register("bf16")
 class BFloat16(_Cast):
     """bfloat16 (8-bit significand, float32's range): coarser but never overflows.
+
+    Not prescaled: the range needs no division by the replica count, so a SUM takes
+    no pass over the bucket to divide and none to multiply back.
 
     Example:
       >>> ops = tf_gradsync.CompressedAllReduce("bf16")
