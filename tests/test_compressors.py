@@ -1198,9 +1198,10 @@ def _layout_sizes(sizes):
     lambda: _util.Segments(list(range(1, 600))),                # several id pieces
     lambda: _util.Segments.chunks(_layout_sizes([40000, 3, 517, 20000]), 16),   # blocks
     lambda: _util.Segments.chunks(_layout_sizes([4096, 4096]), 512),            # regular
-], ids=["small", "long_runs", "id_pieces", "blocks", "regular"])
+    lambda: _util.Segments([1000]),                                             # one
+], ids=["small", "long_runs", "id_pieces", "blocks", "regular", "one"])
 def test_segment_statistics_match_numpy(make):
-    """Per-segment sums, extremes, means and expansion against numpy, for each way a
+    """Per-segment sums, extremes, means, norms and expansion against numpy, for each way a
     bucket is cut into pieces (reshaped runs, segment reductions over id pieces)."""
     seg = make()
     sizes = np.asarray(seg.sizes)
@@ -1215,8 +1216,11 @@ def test_segment_statistics_match_numpy(make):
                                   [np.abs(p).max() for p in pieces])
     np.testing.assert_allclose(seg.mean(tf.constant(v)).numpy(), [p.mean() for p in pieces],
                                rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(seg.norm(tf.constant(v)).numpy(),
+                               [np.linalg.norm(p.astype(np.float64)) for p in pieces], rtol=1e-5)
     per = tf.range(seg.count, dtype=tf.float32) + 0.5
     np.testing.assert_array_equal(seg.apply(tf.multiply, tf.constant(v), per).numpy(),
                                   v * (np.repeat(np.arange(seg.count), sizes) + 0.5).astype(np.float32))
-    np.testing.assert_array_equal(seg.expand(per).numpy(),
-                                  np.repeat(np.arange(seg.count), sizes) + 0.5)
+    want = np.repeat(np.arange(seg.count), sizes) + 0.5
+    # One segment's value stays [1] and broadcasts.
+    np.testing.assert_array_equal(seg.expand(per).numpy(), want if seg.count > 1 else [0.5])
