@@ -67,12 +67,12 @@ class OneBit(Compressor):
         wd = _util.work_dtype(x.dtype)
         v = tf.cast(x, wd)
         bit = v >= 0
-        pos = tf.cast(bit, wd)
-        sq = tf.square(v)
-        n_pos = seg.sum(pos)
-        sq_pos = seg.sum(sq * pos)
+        n_pos = seg.sum(tf.cast(bit, wd))
+        # Squared norms, not sums of a squared copy: relu(v) holds the positive side.
+        sq_pos = tf.square(seg.norm(tf.nn.relu(v)))
         hi = tf.sqrt(tf.math.divide_no_nan(sq_pos, n_pos))
-        lo = tf.sqrt(tf.math.divide_no_nan(seg.sum(sq) - sq_pos, seg.sizes_as(wd) - n_pos))
+        lo = tf.sqrt(tf.math.divide_no_nan(tf.square(seg.norm(v)) - sq_pos,
+                                           seg.sizes_as(wd) - n_pos))
         bad, sd = _util.poison(x, wd), _util.scale_dtype(x.dtype)
         return (_util.pack(bit, 1), tf.cast(hi + bad, sd), tf.cast(lo + bad, sd)), (seg, x.dtype)
 
@@ -81,9 +81,12 @@ class OneBit(Compressor):
         packed, hi, lo = payload
         seg, dtype = meta
         wd = _util.work_dtype(dtype)
-        bit = _util.unpack(packed, 1, seg.numel) == 1
-        return tf.cast(tf.where(bit, seg.expand(tf.cast(hi, wd)),
-                                -seg.expand(tf.cast(lo, wd))), dtype)
+        bit = _util.unpack(packed, 1, seg.numel, values=(False, True), dtype=tf.bool)
+        # One select that broadcasts each block's two magnitudes over its row, instead
+        # of writing both expansions out first.
+        sides = tf.stack([tf.cast(hi, wd), -tf.cast(lo, wd)], 1)
+        return tf.cast(seg.apply(lambda b, s: tf.where(b, s[..., 0], s[..., 1]), bit, sides),
+                       dtype)
 
     def server_codec(self) -> Compressor:
         """int8, as for `Sign` (see `Sign.server_codec`): one bit per entry cannot
