@@ -1201,8 +1201,9 @@ def _layout_sizes(sizes):
     lambda: _util.Segments([1000]),                                             # one
 ], ids=["small", "long_runs", "id_pieces", "blocks", "regular", "one"])
 def test_segment_statistics_match_numpy(make):
-    """Per-segment sums, extremes, means, norms and expansion against numpy, for each way a
-    bucket is cut into pieces (reshaped runs, segment reductions over id pieces)."""
+    """Per-segment sums, extremes, means, sums of squares and expansion against numpy,
+    for each way a bucket is cut into pieces (reshaped runs, segment reductions over id
+    pieces)."""
     seg = make()
     sizes = np.asarray(seg.sizes)
     assert sizes.sum() == seg.numel and len(sizes) == seg.count
@@ -1216,8 +1217,8 @@ def test_segment_statistics_match_numpy(make):
                                   [np.abs(p).max() for p in pieces])
     np.testing.assert_allclose(seg.mean(tf.constant(v)).numpy(), [p.mean() for p in pieces],
                                rtol=1e-4, atol=1e-5)
-    np.testing.assert_allclose(seg.norm(tf.constant(v)).numpy(),
-                               [np.linalg.norm(p.astype(np.float64)) for p in pieces], rtol=1e-5)
+    np.testing.assert_allclose(seg.sum_of_squares(tf.constant(v)).numpy(),
+                               [np.sum(p.astype(np.float64) ** 2) for p in pieces], rtol=1e-5)
     per = tf.range(seg.count, dtype=tf.float32) + 0.5
     np.testing.assert_array_equal(seg.apply(tf.multiply, tf.constant(v), per).numpy(),
                                   v * (np.repeat(np.arange(seg.count), sizes) + 0.5).astype(np.float32))

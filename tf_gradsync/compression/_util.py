@@ -322,13 +322,13 @@ class Segments:
         """Per-segment means, [count]."""
         return self._reduce(tf.reduce_mean, tf.math.segment_mean, v)
 
-    def norm(self, v: tf.Tensor) -> tf.Tensor:
-        """Per-segment Euclidean norms, [count]: the long runs in one read of `v`, no
-        squared copy written (25M entries in blocks of 16, one core: 14 ms against 24
-        for a square and a sum)."""
-        return self._reduce(tf.math.reduce_euclidean_norm,
-                            lambda part, ids: tf.sqrt(tf.math.segment_sum(tf.square(part), ids)),
-                            v)
+    def sum_of_squares(self, v: tf.Tensor) -> tf.Tensor:
+        """Per-segment sums of squares, [count]: the long runs in one read of `v` (as
+        squared Euclidean norms), no squared copy written (25M entries, one core: 12 ms
+        against 23 for a square and a sum in blocks of 16, 6 against 17 in rows of 512)."""
+        return self._reduce(
+            lambda rows, **kw: tf.square(tf.math.reduce_euclidean_norm(rows, **kw)),
+            lambda part, ids: tf.math.segment_sum(tf.square(part), ids), v)
 
     def sizes_as(self, dtype: tf.DType) -> tf.Tensor:
         """The segment sizes as a [count] tensor of `dtype` ([1] for one segment)."""

@@ -68,10 +68,9 @@ class OneBit(Compressor):
         v = tf.cast(x, wd)
         bit = v >= 0
         n_pos = seg.sum(tf.cast(bit, wd))
-        # Squared norms, not sums of a squared copy: relu(v) holds the positive side.
-        sq_pos = tf.square(seg.norm(tf.nn.relu(v)))
+        sq_pos = seg.sum_of_squares(tf.nn.relu(v))     # relu(v): the positive side
         hi = tf.sqrt(tf.math.divide_no_nan(sq_pos, n_pos))
-        lo = tf.sqrt(tf.math.divide_no_nan(tf.square(seg.norm(v)) - sq_pos,
+        lo = tf.sqrt(tf.math.divide_no_nan(seg.sum_of_squares(v) - sq_pos,
                                            seg.sizes_as(wd) - n_pos))
         bad, sd = _util.poison(x, wd), _util.scale_dtype(x.dtype)
         return (_util.pack(bit, 1), tf.cast(hi + bad, sd), tf.cast(lo + bad, sd)), (seg, x.dtype)

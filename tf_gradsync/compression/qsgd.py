@@ -60,7 +60,7 @@ class QSGD(Compressor):
         seg = _util.Segments.chunks(ctx.layout_of(x), self.chunk)
         wd = _util.work_dtype(x.dtype)
         v = tf.cast(x, wd)
-        norm = seg.norm(v)
+        norm = tf.sqrt(seg.sum_of_squares(v))
         a = seg.apply(tf.math.divide_no_nan, tf.abs(v) * self.levels, norm)
         u = tf.random.stateless_uniform(tf.shape(v), ctx.replica_seed(), dtype=wd, alg="philox")
         level = tf.minimum(tf.floor(a + u), self.levels)

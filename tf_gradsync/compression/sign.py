@@ -85,7 +85,7 @@ class Sign(Compressor):
         wd = _util.work_dtype(x.dtype)
         v = tf.cast(x, wd)
         if self.scale == "l2":
-            scale = seg.norm(v) / tf.sqrt(seg.sizes_as(wd))
+            scale = tf.sqrt(seg.sum_of_squares(v) / seg.sizes_as(wd))
         else:
             scale = seg.mean(tf.abs(v))
         scale = tf.cast(scale + _util.poison(x, wd), _util.scale_dtype(x.dtype))

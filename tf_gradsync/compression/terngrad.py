@@ -101,7 +101,7 @@ class TernGrad(Compressor):
         v = tf.cast(x, wd)
         if self.bound is not None:
             mean = seg.mean(v)
-            var = tf.maximum(tf.square(seg.norm(v)) / seg.sizes_as(wd) - tf.square(mean), 0)
+            var = tf.maximum(seg.sum_of_squares(v) / seg.sizes_as(wd) - tf.square(mean), 0)
             bound = seg.expand(self.bound * tf.sqrt(var))
             # A constant tensor has sigma 0: leave it unclipped rather than zeroed.
             v = tf.where(bound > 0, tf.clip_by_value(v, -bound, bound), v)
