@@ -10,6 +10,7 @@ import dataclasses
 import functools
 import math
 import sys
+from typing import Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -118,6 +119,23 @@ def scatter(values: tf.Tensor, indices: tf.Tensor, n: int, dtype: tf.DType) -> t
     A segment sum, not `scatter_nd`: on a CPU it is seven times faster (2.5M values into
     5M entries on one core: 13 ms against 88 ms)."""
     return tf.math.unsorted_segment_sum(tf.cast(values, dtype), indices, n)
+
+
+def sum_sparse(parts: Sequence[Sequence[tf.Tensor]], n: int, dtype: tf.DType) -> tf.Tensor:
+    """The sum of sparse payloads `(values, indices)` as a dense length-`n` vector.
+
+    One scatter of every part's values, in the parts' order, instead of a dense decode
+    per part and a sum over them (25M entries, 250K kept per replica, one core: 2
+    replicas 92 ms against 206, 4 replicas 105 against 377). A CPU's scatter adds in
+    input order, so every replica gets the same sum. A GPU's adds with atomics in no
+    fixed order: two addends of an entry sum the same either way, three or more can
+    round differently on each device, so with a GPU and more than two parts each part
+    is decoded alone and the decodes summed.
+    """
+    if len(parts) > 2 and tf.config.list_logical_devices("GPU"):
+        return tf.reduce_sum(tf.stack([scatter(p[0], p[1], n, dtype) for p in parts]), 0)
+    return scatter(tf.concat([p[0] for p in parts], 0), tf.concat([p[1] for p in parts], 0),
+                   n, dtype)
 
 
 _TOPK_SEED = (0x746F, 0x706B)   # any fixed seed: the result does not depend on it

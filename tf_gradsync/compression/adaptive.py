@@ -134,6 +134,10 @@ class Adaptive(Compressor):
         mode, inner = meta
         return self.variants[mode].decompress(payload, inner)
 
+    def combine(self, received, meta) -> tf.Tensor:
+        mode, inner = meta
+        return self.variants[mode].combine(received, inner)
+
     def observe(self, reduced: tf.Tensor, ctx: Context) -> None:
         """Adds the reduced bucket to the interval's sum; at the interval's end, decides."""
         s = ctx.state

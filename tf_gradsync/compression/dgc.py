@@ -185,6 +185,10 @@ class DGC(Compressor):
         n, dtype = meta
         return _util.scatter(payload[0], payload[1], n, dtype)
 
+    def combine(self, received, meta) -> tf.Tensor:
+        """Every replica's values scattered at once (`_util.sum_sparse`)."""
+        return _util.sum_sparse(received, *meta)
+
     def codec(self) -> Compressor:
         """DGC's selection without its momentum and accumulation: a reduced chunk's
         largest entries at this mode's ratio, DGC's payload and meta."""
@@ -207,3 +211,6 @@ class _Selection(Compressor):
 
     def decompress(self, payload: Sequence[tf.Tensor], meta) -> tf.Tensor:
         return self.dgc.decompress(payload, meta)
+
+    def combine(self, received, meta) -> tf.Tensor:
+        return self.dgc.combine(received, meta)

@@ -74,3 +74,7 @@ class Threshold(Compressor):
         """Scatters the values into zeros (padding adds 0 at index 0)."""
         n, dtype = meta
         return _util.scatter(payload[0], payload[1], n, dtype)
+
+    def combine(self, received, meta) -> tf.Tensor:
+        """Every replica's values scattered at once (`_util.sum_sparse`)."""
+        return _util.sum_sparse(received, *meta)

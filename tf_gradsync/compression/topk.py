@@ -69,3 +69,7 @@ class TopK(Compressor):
         n, dtype = meta
         values, idx = payload
         return _util.scatter(values, idx, n, dtype)
+
+    def combine(self, received, meta) -> tf.Tensor:
+        """Every replica's values scattered at once (`_util.sum_sparse`)."""
+        return _util.sum_sparse(received, *meta)
