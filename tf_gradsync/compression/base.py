@@ -350,10 +350,12 @@ class Compressor(abc.ABC):
         if self.summable:
             return self.decompress(received, meta)
         parts = [self.decompress(p, meta) for p in received]
+        if len(parts) <= 2:     # a + b == b + a: one add is the same sum everywhere
+            return parts[0] if len(parts) == 1 else parts[0] + parts[1]
         # One reduction over the stacked parts, not add_n: Grappler rewrites an add_n
         # differently on each device (the local part may have another consumer), which
         # changes the summation order and lets replicas drift apart by a rounding error.
-        return parts[0] if len(parts) == 1 else tf.reduce_sum(tf.stack(parts), 0)
+        return tf.reduce_sum(tf.stack(parts), 0)
 
     def observe(self, reduced: tf.Tensor, ctx: Context) -> None:
         """Sees this step's reduced bucket (a no-op by default).
