@@ -68,14 +68,16 @@ def test_roundtrip_shape_dtype(name, dtype):
     assert np.all(np.isfinite(tf.cast(y, tf.float64).numpy()))
 
 
+@pytest.mark.parametrize("replicas", [2, 3])
 @pytest.mark.parametrize("name", [n for n in C.names() if not C.get(n).summable])
-def test_combine_is_the_sum_of_the_decodes(name):
+def test_combine_is_the_sum_of_the_decodes(name, replicas):
     """Gathered payloads combine into the sum of their decodes (sparsifiers scatter all
-    replicas' values at once), here with replicas that mostly pick the same entries."""
+    replicas' values at once, or place two and add them), here with replicas that mostly
+    pick the same entries."""
     c = C.get(name).codec()
     base = rand(N, seed=9, scales=SCALES)
     payloads = []
-    for r in range(3):
+    for r in range(replicas):
         x = base + 0.1 * rand(N, seed=r, scales=SCALES)
         payload, meta = c.compress(x, context(make_state(c, LAYOUT), layout=LAYOUT, replica=r))
         payloads.append(tuple(payload))
@@ -83,6 +85,30 @@ def test_combine_is_the_sum_of_the_decodes(name):
     got = c.combine(payloads, meta)
     assert got.dtype == tf.float32
     np.testing.assert_allclose(got.numpy(), want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
+
+
+def test_sparse_decodes_match_numpy():
+    """`place` puts distinct indices' values into zeros; `sum_sparse` adds parts whose
+    indices repeat across them (and within one, unless `distinct`)."""
+    rng = np.random.default_rng(4)
+    n = 50
+    indices = [[21, 1, 5, 9, 13, 17], [1, 5, 30, 31, 49, 0], [9, 40, 41, 42, 43, 44]]
+    parts = [(rng.standard_normal(6).astype(np.float32), np.array(i, np.int32))
+             for i in indices]
+    want = np.zeros(n, np.float32)
+    np.put(want, parts[0][1], parts[0][0])
+    np.testing.assert_array_equal(_util.place(*parts[0], n, tf.float32).numpy(), want)
+    for count in (1, 2, 3):
+        want = np.zeros(n, np.float64)
+        for v, i in parts[:count]:
+            np.add.at(want, i, v)
+        for distinct in (False, True):
+            got = _util.sum_sparse(parts[:count], n, tf.float32, distinct=distinct)
+            np.testing.assert_allclose(got.numpy(), want, rtol=1e-6)
+    repeated = (np.ones(2, np.float32), np.array([3, 3], np.int32))
+    np.testing.assert_array_equal(_util.sum_sparse([repeated], n, tf.float32).numpy()[3], 2)
+    with pytest.raises(tf.errors.InvalidArgumentError):
+        _util.place(np.ones(1, np.float32), np.array([n], np.int32), n, tf.float32)
 
 
 @pytest.mark.parametrize("name", C.names())

@@ -121,7 +121,19 @@ def scatter(values: tf.Tensor, indices: tf.Tensor, n: int, dtype: tf.DType) -> t
     return tf.math.unsorted_segment_sum(tf.cast(values, dtype), indices, n)
 
 
-def sum_sparse(parts: Sequence[Sequence[tf.Tensor]], n: int, dtype: tf.DType) -> tf.Tensor:
+def place(values: tf.Tensor, indices: tf.Tensor, n: int, dtype: tf.DType) -> tf.Tensor:
+    """A dense length-`n` vector holding `values` at `indices`, which must be distinct,
+    and zeros elsewhere (an index out of range is an error).
+
+    Not a scatter that adds: a sparse-to-dense placement costs little more than the
+    zeros (250K values into 25M entries, one core: 15 ms against 63 for `scatter`)."""
+    return tf.raw_ops.SparseToDense(sparse_indices=indices, output_shape=[n],
+                                    sparse_values=tf.cast(values, dtype),
+                                    default_value=tf.zeros([], dtype), validate_indices=False)
+
+
+def sum_sparse(parts: Sequence[Sequence[tf.Tensor]], n: int, dtype: tf.DType,
+               distinct: bool = False) -> tf.Tensor:
     """The sum of sparse payloads `(values, indices)` as a dense length-`n` vector.
 
     One scatter of every part's values, in the parts' order, instead of a dense decode
@@ -130,10 +142,15 @@ def sum_sparse(parts: Sequence[Sequence[tf.Tensor]], n: int, dtype: tf.DType) ->
     input order, so every replica gets the same sum. A GPU's adds with atomics in no
     fixed order: two addends of an entry sum the same either way, three or more can
     round differently on each device, so with a GPU and more than two parts each part
-    is decoded alone and the decodes summed.
+    is decoded alone and the decodes summed. When each part's indices are `distinct`,
+    one or two parts are placed (`place`) and added (2 parts as above: 28 ms against 102).
     """
+    if distinct and len(parts) <= 2:
+        dense = [place(p[0], p[1], n, dtype) for p in parts]
+        return dense[0] if len(dense) == 1 else dense[0] + dense[1]
     if len(parts) > 2 and tf.config.list_logical_devices("GPU"):
-        return tf.reduce_sum(tf.stack([scatter(p[0], p[1], n, dtype) for p in parts]), 0)
+        decode = place if distinct else scatter
+        return tf.reduce_sum(tf.stack([decode(p[0], p[1], n, dtype) for p in parts]), 0)
     return scatter(tf.concat([p[0] for p in parts], 0), tf.concat([p[1] for p in parts], 0),
                    n, dtype)
 

@@ -99,4 +99,4 @@ class RandomK(Compressor):
         values = tf.cast(payload[0], wd)
         if self.scale:
             values *= tf.cast(lengths, wd)
-        return tf.cast(_util.scatter(values, indices, numel, wd), dtype)
+        return tf.cast(_util.place(values, indices, numel, wd), dtype)   # distinct coordinates

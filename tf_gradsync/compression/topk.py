@@ -65,11 +65,12 @@ class TopK(Compressor):
         return (tf.gather(x, idx) + bad, idx), (seg.numel, x.dtype)
 
     def decompress(self, payload: Sequence[tf.Tensor], meta) -> tf.Tensor:
-        """Scatters the values into zeros of the bucket's length and dtype."""
+        """Places the values (at distinct indices) into zeros of the bucket's length and
+        dtype."""
         n, dtype = meta
         values, idx = payload
-        return _util.scatter(values, idx, n, dtype)
+        return _util.place(values, idx, n, dtype)
 
     def combine(self, received, meta) -> tf.Tensor:
-        """Every replica's values scattered at once (`_util.sum_sparse`)."""
-        return _util.sum_sparse(received, *meta)
+        """Every replica's values summed into one dense bucket (`_util.sum_sparse`)."""
+        return _util.sum_sparse(received, *meta, distinct=True)
