@@ -89,7 +89,7 @@ def test_combine_is_the_sum_of_the_decodes(name, replicas):
 
 def test_sparse_decodes_match_numpy():
     """`place` puts distinct indices' values into zeros; `sum_sparse` adds parts whose
-    indices repeat across them (and within one, unless `distinct`)."""
+    indices repeat across them."""
     rng = np.random.default_rng(4)
     n = 50
     indices = [[21, 1, 5, 9, 13, 17], [1, 5, 30, 31, 49, 0], [9, 40, 41, 42, 43, 44]]
@@ -102,13 +102,25 @@ def test_sparse_decodes_match_numpy():
         want = np.zeros(n, np.float64)
         for v, i in parts[:count]:
             np.add.at(want, i, v)
-        for distinct in (False, True):
-            got = _util.sum_sparse(parts[:count], n, tf.float32, distinct=distinct)
-            np.testing.assert_allclose(got.numpy(), want, rtol=1e-6)
-    repeated = (np.ones(2, np.float32), np.array([3, 3], np.int32))
-    np.testing.assert_array_equal(_util.sum_sparse([repeated], n, tf.float32).numpy()[3], 2)
+        got = _util.sum_sparse(parts[:count], n, tf.float32)
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-6)
     with pytest.raises(tf.errors.InvalidArgumentError):
         _util.place(np.ones(1, np.float32), np.array([n], np.int32), n, tf.float32)
+
+
+@pytest.mark.parametrize("name", ["threshold", "dgc"])
+def test_selection_pads_at_distinct_unselected_entries(name):
+    """With fewer candidates than k, the selection pads with zeros at entries it did not
+    select, so every index is distinct and the payload decodes to the selection."""
+    x = np.zeros(50_000, np.float32)
+    x[[0, 3, 9000, 49_999]] = [1.0, -2.0, 3.0, 4.0]
+    c = C.get(name).codec()
+    layout = C.Layout.flat(50_000)
+    (values, idx), meta = c.compress(tf.constant(x), context(make_state(c, layout), layout=layout))
+    idx, values = idx.numpy(), values.numpy()
+    assert len(np.unique(idx)) == len(idx) == 500
+    np.testing.assert_array_equal(np.sort(idx[values != 0]), [0, 3, 9000, 49_999])
+    np.testing.assert_array_equal(c.decompress((values, idx), meta).numpy(), x)
 
 
 @pytest.mark.parametrize("name", C.names())

@@ -132,25 +132,24 @@ def place(values: tf.Tensor, indices: tf.Tensor, n: int, dtype: tf.DType) -> tf.
                                     default_value=tf.zeros([], dtype), validate_indices=False)
 
 
-def sum_sparse(parts: Sequence[Sequence[tf.Tensor]], n: int, dtype: tf.DType,
-               distinct: bool = False) -> tf.Tensor:
-    """The sum of sparse payloads `(values, indices)` as a dense length-`n` vector.
+def sum_sparse(parts: Sequence[Sequence[tf.Tensor]], n: int, dtype: tf.DType) -> tf.Tensor:
+    """The sum of sparse payloads `(values, indices)`, each part's indices distinct, as a
+    dense length-`n` vector.
 
-    One scatter of every part's values, in the parts' order, instead of a dense decode
-    per part and a sum over them (25M entries, 250K kept per replica, one core: 2
-    replicas 92 ms against 206, 4 replicas 105 against 377). A CPU's scatter adds in
+    One or two parts are placed (`place`) and added (two parts of 250K values into 25M
+    entries, one core: 28 ms against 102 for one scatter of both). More parts are one
+    scatter of every part's values, in the parts' order, instead of a dense decode per
+    part and a sum over them (4 parts: 105 ms against 377). A CPU's scatter adds in
     input order, so every replica gets the same sum. A GPU's adds with atomics in no
     fixed order: two addends of an entry sum the same either way, three or more can
-    round differently on each device, so with a GPU and more than two parts each part
-    is decoded alone and the decodes summed. When each part's indices are `distinct`,
-    one or two parts are placed (`place`) and added (2 parts as above: 28 ms against 102).
+    round differently on each device, so with a GPU each part is placed alone and the
+    parts summed.
     """
-    if distinct and len(parts) <= 2:
+    if len(parts) <= 2:
         dense = [place(p[0], p[1], n, dtype) for p in parts]
         return dense[0] if len(dense) == 1 else dense[0] + dense[1]
-    if len(parts) > 2 and tf.config.list_logical_devices("GPU"):
-        decode = place if distinct else scatter
-        return tf.reduce_sum(tf.stack([decode(p[0], p[1], n, dtype) for p in parts]), 0)
+    if tf.config.list_logical_devices("GPU"):
+        return tf.reduce_sum(tf.stack([place(p[0], p[1], n, dtype) for p in parts]), 0)
     return scatter(tf.concat([p[0] for p in parts], 0), tf.concat([p[1] for p in parts], 0),
                    n, dtype)
 
@@ -231,11 +230,12 @@ def select(mag: tf.Tensor, k: int, seed: tf.Tensor, sample_ratio: float,
       min_sample: smallest sample.
 
     Returns:
-      `(indices, valid)`: int32 [k] indices and a bool [k] mask; invalid (padding)
-      entries have index 0.
+      `(indices, valid)`: int32 [k] distinct indices and a bool [k] mask; invalid
+      (padding) entries hold entries that were not selected, to be sent as zeros.
     """
     n = numel(mag)
     s = min(n, max(min_sample, math.ceil(sample_ratio * n)))
+    pad_idx = tf.zeros([k], tf.int32)
     if s < n:
         sample = tf.gather(mag, tf.random.stateless_uniform([s], seed, 0, n, dtype=tf.int32,
                                                              alg="philox"))
@@ -243,15 +243,22 @@ def select(mag: tf.Tensor, k: int, seed: tf.Tensor, sample_ratio: float,
         # the true top k; ranking 2k candidates is still cheap.
         ks = min(s, max(1, math.ceil(k * 2 * s / n)))
         thr = tf.math.top_k(sample, ks, sorted=True).values[ks - 1]
-        cand = tf.cast(tf.where((mag >= thr) & (mag > 0))[:, 0], tf.int32)
+        chosen = (mag >= thr) & (mag > 0)
+        cand = tf.cast(tf.where(chosen)[:, 0], tf.int32)
         cand_mag = tf.gather(mag, cand)
+
+        def others():
+            # The first entries that are not candidates (at least k - |cand| of them):
+            # padding at distinct indices lets a payload decode by placement.
+            rest = tf.cast(tf.where(~chosen)[:, 0], tf.int32)
+            return tf.concat([rest, pad_idx], 0)[:k]
+        pad_idx = tf.cond(tf.size(cand) < k, others, lambda: pad_idx)
     else:
         cand, cand_mag = tf.range(n, dtype=tf.int32), mag
     pad_mag = tf.fill([k], tf.constant(-1, mag.dtype))
+    # Equal pads rank by position, so the pads taken are the first k - |cand|.
     top = tf.math.top_k(tf.concat([cand_mag, pad_mag], 0), k, sorted=False)
-    valid = top.values > 0
-    idx = tf.gather(tf.concat([cand, tf.zeros([k], tf.int32)], 0), top.indices)
-    return tf.where(valid, idx, 0), valid
+    return tf.gather(tf.concat([cand, pad_idx], 0), top.indices), top.values > 0
 
 
 #: A run of equal segments at least this long (elements) reduces as a reshape.

@@ -156,7 +156,7 @@ class DGC(Compressor):
         u_new = self.momentum * u + g
         v_new = v + u_new
         values, idx, valid = self._select(v_new, seg, ctx, x.dtype)
-        # v_new less what was sent (padding subtracts 0 at index 0), in place of a copy:
+        # v_new less what was sent (padding subtracts 0), in place of a copy:
         # no dense scatter of the values. v keeps what the wire dtype rounded away.
         rest = tf.tensor_scatter_nd_sub(v_new, idx[:, None], tf.cast(values, wd))
         # A byte per entry, not a float: the mask's fresh buffer is what costs (25M
@@ -181,12 +181,13 @@ class DGC(Compressor):
         return tf.cast(tf.where(valid, tf.gather(v, idx), 0), dtype), idx, valid
 
     def decompress(self, payload: Sequence[tf.Tensor], meta) -> tf.Tensor:
-        """Scatters the values into zeros of the bucket's length and dtype."""
+        """Places the values (at distinct indices, padding as zeros) into zeros of
+        the bucket's length and dtype."""
         n, dtype = meta
-        return _util.scatter(payload[0], payload[1], n, dtype)
+        return _util.place(payload[0], payload[1], n, dtype)
 
     def combine(self, received, meta) -> tf.Tensor:
-        """Every replica's values scattered at once (`_util.sum_sparse`)."""
+        """Every replica's values summed into one dense bucket (`_util.sum_sparse`)."""
         return _util.sum_sparse(received, *meta)
 
     def codec(self) -> Compressor:

@@ -71,10 +71,11 @@ class Threshold(Compressor):
         return (values + tf.cast(_util.poison(x), x.dtype), idx), (seg.numel, x.dtype)
 
     def decompress(self, payload: Sequence[tf.Tensor], meta) -> tf.Tensor:
-        """Scatters the values into zeros (padding adds 0 at index 0)."""
+        """Places the values (at distinct indices, padding as zeros) into zeros of
+        the bucket's length and dtype."""
         n, dtype = meta
-        return _util.scatter(payload[0], payload[1], n, dtype)
+        return _util.place(payload[0], payload[1], n, dtype)
 
     def combine(self, received, meta) -> tf.Tensor:
-        """Every replica's values scattered at once (`_util.sum_sparse`)."""
+        """Every replica's values summed into one dense bucket (`_util.sum_sparse`)."""
         return _util.sum_sparse(received, *meta)

@@ -73,4 +73,4 @@ class TopK(Compressor):
 
     def combine(self, received, meta) -> tf.Tensor:
         """Every replica's values summed into one dense bucket (`_util.sum_sparse`)."""
-        return _util.sum_sparse(received, *meta, distinct=True)
+        return _util.sum_sparse(received, *meta)
