@@ -141,19 +141,19 @@ def test_predict_refuses_an_exchange_the_payload_cannot_take():
 
 @pytest.mark.parametrize("name", ["none", "int8", "topk"])
 def test_data_path_runs_the_step_around_the_codec(name):
-    """The calibration's data path: two replicas' mean (each replica's payload standing
-    in for the other's), with the compression error the stats read."""
+    """The calibration's data path: a reduction of two replicas with SUM, as optimizers
+    reduce gradients (this replica's payload is all it receives), with the compression
+    error the stats read."""
     compressor = gs.CompressedAllReduce(name).compressor
     layout = Layout(((400, 64),))
     x = tf.random.stateless_normal([layout.numel], (1, 2))
     codec = costmodel.roundtrip_fn(compressor, layout)
     path = costmodel.roundtrip_fn(compressor, layout, replicas=2, measure_error=True)
     decoded, sent = codec(x)
-    mean, sent2, error_sq, norm_sq = path(x)
+    summed, sent2, error_sq, norm_sq = path(x)
     assert int(sent2) == int(sent)
-    # The mean of two copies is the copy.
     want = x.numpy() if name == "none" else decoded.numpy()
-    np.testing.assert_allclose(mean.numpy() * 2, want, rtol=0.02, atol=0.02 * np.abs(want).max())
+    np.testing.assert_allclose(summed.numpy(), want, rtol=0.02, atol=0.02 * np.abs(want).max())
     if name == "none":        # exact: nothing to measure, no passes spent on it
         assert float(error_sq) == float(norm_sq) == 0
     else:

@@ -212,7 +212,9 @@ def roundtrip_fn(compressor: Compressor, layout: Layout, replicas: int = 1,
 
     With `replicas` > 1 and `measure_error` it runs the whole data path a bucket takes
     in a step of that many replicas (prescale, compress with error feedback, decode, the
-    mean, the compression error), its own payload standing in for the others'.
+    compression error), its own payload standing in for the others'. It reduces with
+    SUM, as optimizers reduce gradients (Keras's `apply_gradients`): a MEAN would add a
+    pass over the result that training steps do not take.
     """
     state = {name: _tf_compat.plain_variable(lambda s=spec: s.initializer(s.shape, s.dtype),
                                              name=name)
@@ -229,8 +231,7 @@ def roundtrip_fn(compressor: Compressor, layout: Layout, replicas: int = 1,
     def run(x):
         ctx = Context(state=state, step=step.read_value(), seed=tf.stack([step, 7]),
                       layout=layout, num_replicas=replicas)
-        outcome = driver.run(compressor, [x], [ctx], exchange, mean=replicas > 1,
-                             measure_error=measure_error)
+        outcome = driver.run(compressor, [x], [ctx], exchange, measure_error=measure_error)
         step.assign_add(1)
         if measure_error:     # as the stats read it, so that it is computed
             return outcome.results[0], outcome.bytes, outcome.error_sq, outcome.norm_sq

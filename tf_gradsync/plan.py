@@ -145,7 +145,7 @@ def calibrate_compute(model: str | None, params: int | None, batch: int, repeats
 
 def calibrate_throughput(specs: Sequence[str], numel: int = CALIBRATE_NUMEL) -> dict[str, float]:
     """Bytes of float32 input per second through a bucket's data path (prescale,
-    compress with error feedback, decode, mean, compression error) with this process's
+    compress with error feedback, decode, sum, compression error) with this process's
     threads, per compressor spec, as `CompressedAllReduce` builds it."""
     from tf_gradsync import costmodel  # pylint: disable=import-outside-toplevel
     from tf_gradsync.bench import ops_from_spec  # pylint: disable=import-outside-toplevel
