@@ -154,6 +154,21 @@ def sum_sparse(parts: Sequence[Sequence[tf.Tensor]], n: int, dtype: tf.DType) ->
                    n, dtype)
 
 
+class SparseDecoding:
+    """Decoding of sparse payloads `(values, int32 indices)` with distinct indices and
+    meta `(bucket length, dtype)`, shared by the compressors that send them (a mixin
+    before `Compressor` in their bases)."""
+
+    def decompress(self, payload: Sequence[tf.Tensor], meta) -> tf.Tensor:
+        """Places the values into zeros of the bucket's length and dtype (`place`)."""
+        n, dtype = meta
+        return place(payload[0], payload[1], n, dtype)
+
+    def combine(self, received, meta) -> tf.Tensor:
+        """Every replica's values summed into one dense bucket (`sum_sparse`)."""
+        return sum_sparse(received, *meta)
+
+
 _TOPK_SEED = (0x746F, 0x706B)   # any fixed seed: the result does not depend on it
 
 

@@ -8,7 +8,7 @@ References:
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Any
 
 import tensorflow as tf
 
@@ -19,7 +19,7 @@ from tf_gradsync.compression.base import (Compressor, Context, Layout, StateSpec
 
 
 @register("dgc")
-class DGC(Compressor):
+class DGC(_util.SparseDecoding, Compressor):
     """Accumulates momentum locally and sends only the largest accumulated entries.
 
     Per step, with g the (optionally clipped) gradient: u = momentum * u + g (momentum
@@ -180,23 +180,13 @@ class DGC(Compressor):
             valid = tf.ones_like(idx, tf.bool)
         return tf.cast(tf.where(valid, tf.gather(v, idx), 0), dtype), idx, valid
 
-    def decompress(self, payload: Sequence[tf.Tensor], meta) -> tf.Tensor:
-        """Places the values (at distinct indices, padding as zeros) into zeros of
-        the bucket's length and dtype."""
-        n, dtype = meta
-        return _util.place(payload[0], payload[1], n, dtype)
-
-    def combine(self, received, meta) -> tf.Tensor:
-        """Every replica's values summed into one dense bucket (`_util.sum_sparse`)."""
-        return _util.sum_sparse(received, *meta)
-
     def codec(self) -> Compressor:
         """DGC's selection without its momentum and accumulation: a reduced chunk's
         largest entries at this mode's ratio, DGC's payload and meta."""
         return _Selection(self)
 
 
-class _Selection(Compressor):
+class _Selection(_util.SparseDecoding, Compressor):
     """The memoryless codec of a `DGC` (see `DGC.codec`)."""
 
     summable = False
@@ -209,9 +199,3 @@ class _Selection(Compressor):
         seg = _util.Segments.of(ctx.layout_of(x))
         values, idx, _ = self.dgc._select(x, seg, ctx, x.dtype)  # pylint: disable=protected-access
         return (values, idx), (seg.numel, x.dtype)
-
-    def decompress(self, payload: Sequence[tf.Tensor], meta) -> tf.Tensor:
-        return self.dgc.decompress(payload, meta)
-
-    def combine(self, received, meta) -> tf.Tensor:
-        return self.dgc.combine(received, meta)

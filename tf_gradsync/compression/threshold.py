@@ -7,8 +7,6 @@ References:
 
 from __future__ import annotations
 
-from typing import Sequence
-
 import tensorflow as tf
 
 from tf_gradsync.compression import _util
@@ -16,7 +14,7 @@ from tf_gradsync.compression.base import Compressor, Context, register
 
 
 @register("threshold")
-class Threshold(Compressor):
+class Threshold(_util.SparseDecoding, Compressor):
     """Sends k = max(1, ceil(ratio * size)) large entries of each tensor, found through a
     sampled threshold in long tensors.
 
@@ -69,13 +67,3 @@ class Threshold(Compressor):
         if valid is not None:
             values = tf.where(valid, values, tf.zeros([], x.dtype))
         return (values + tf.cast(_util.poison(x), x.dtype), idx), (seg.numel, x.dtype)
-
-    def decompress(self, payload: Sequence[tf.Tensor], meta) -> tf.Tensor:
-        """Places the values (at distinct indices, padding as zeros) into zeros of
-        the bucket's length and dtype."""
-        n, dtype = meta
-        return _util.place(payload[0], payload[1], n, dtype)
-
-    def combine(self, received, meta) -> tf.Tensor:
-        """Every replica's values summed into one dense bucket (`_util.sum_sparse`)."""
-        return _util.sum_sparse(received, *meta)

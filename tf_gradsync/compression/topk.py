@@ -8,7 +8,6 @@ References:
 from __future__ import annotations
 
 import math
-from typing import Sequence
 
 import tensorflow as tf
 
@@ -17,7 +16,7 @@ from tf_gradsync.compression.base import Compressor, Context, register
 
 
 @register("topk")
-class TopK(Compressor):
+class TopK(_util.SparseDecoding, Compressor):
     """Keeps the k = max(1, ceil(ratio * size)) entries of largest magnitude of each tensor.
 
     k is taken per tensor of the bucket, as DGC selects per layer, so a layer with
@@ -63,14 +62,3 @@ class TopK(Compressor):
             lambda m, k: (_util.top_k_indices(m, k, full=~finite), None))
         bad = tf.where(finite, tf.constant(0, x.dtype), tf.constant(math.nan, x.dtype))
         return (tf.gather(x, idx) + bad, idx), (seg.numel, x.dtype)
-
-    def decompress(self, payload: Sequence[tf.Tensor], meta) -> tf.Tensor:
-        """Places the values (at distinct indices) into zeros of the bucket's length and
-        dtype."""
-        n, dtype = meta
-        values, idx = payload
-        return _util.place(values, idx, n, dtype)
-
-    def combine(self, received, meta) -> tf.Tensor:
-        """Every replica's values summed into one dense bucket (`_util.sum_sparse`)."""
-        return _util.sum_sparse(received, *meta)
