@@ -119,6 +119,16 @@ def test_autotune_measures_installs_and_trains(devices):
     assert ops.decision.compressor in ("none", "fp16", "topk")
     assert ops.decision.link.bytes_per_s > 0 and ops.decision.link.latency_s > 0
     assert ops.decision.link.round_s > 0
+    # The fastest predicted compressor-and-exchange pairs were timed on the strategy,
+    # and the fastest measured one chosen.
+    d = ops.decision
+    first = list(dict.fromkeys(r[:2] for r in sorted(d.candidates, key=lambda r: r[3])))
+    assert [t[:2] for t in d.trials] == first[:3]
+    assert all(t[4] > d.compute_s for t in d.trials)
+    fastest = min(d.trials, key=lambda t: t[4])
+    assert (d.compressor, d.exchange, d.bucket_bytes) == fastest[:3]
+    assert d.measured_step_s == fastest[4] and d.predicted_step_s == fastest[3]
+    assert ops.stats()["steps"] == 0          # a fresh ops, not a trial's past warm-up
     # The installed ops serve the strategy's gradient reduction.
     x = tf.random.stateless_normal([8, 32], (1, 2))
     opt = tf.keras.optimizers.SGD(0.1)
@@ -141,6 +151,10 @@ def test_autotune_refuses_bad_input(devices):
     weights = [((4, 4), tf.float32)]
     with pytest.raises(ValueError, match="compute must be seconds per step"):
         gs.autotune(strategy, weights, compute="fast")
+    with pytest.raises(ValueError, match="trials must be an integer >= 0, got -1"):
+        gs.autotune(strategy, weights, compute=0.1, trials=-1)
+    with pytest.raises(ValueError, match="trial_steps must be an integer >= 1, got 0"):
+        gs.autotune(strategy, weights, compute=0.1, trial_steps=0)
     with pytest.raises(ValueError, match="unknown compressor 'zip'"):
         gs.autotune(strategy, weights, compute=0.1, compressors=["zip"])
     busy = tf.distribute.MirroredStrategy(devices, cross_device_ops=gs.CompressedAllReduce("fp16"))
@@ -157,6 +171,9 @@ def test_every_worker_reaches_the_same_decision(tmp_path):
     a, b = (r["decision"] for r in ranks)
     assert a == b
     assert a["link"][2] > 0           # the all-to-all probe ran across both workers
+    # Candidates were timed across both workers, the fastest measured chosen.
+    assert len(a["trials"]) == 3
+    assert a["measured_step_s"] == min(t[4] for t in a["trials"])
     assert a["compute_s"] == pytest.approx(0.0015, rel=1e-3)
     assert ranks[0]["fingerprints"] == ranks[1]["fingerprints"]
     np.testing.assert_array_equal(np.asarray(ranks[0]["weights"][0]),

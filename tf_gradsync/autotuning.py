@@ -6,8 +6,11 @@ all-reduces of several sizes (fitting latency and bandwidth) and one all-to-all 
 parts (the fixed cost of two phases' rounds), times each candidate
 compressor's compress + decompress on this machine and the step's compute, averages
 every measurement over the workers (so each worker reaches the same decision), prices
-every candidate with `tf_gradsync.costmodel` and returns (and installs) the fastest
-`CompressedAllReduce` within the accuracy class asked for.
+every candidate with `tf_gradsync.costmodel`, then times the few it predicts fastest on
+the real job (trials: the model's gradients reduced through each) and returns (and
+installs) the fastest measured `CompressedAllReduce` within the accuracy class asked for.
+The model narrows the field; the trials decide, because what the model leaves out
+(workers sharing cores, the runtime's cost per collective round) can change the order.
 """
 
 from __future__ import annotations
@@ -45,6 +48,11 @@ class Decision:
       link: the link it was priced on.
       compute_s: the step's compute it was priced with.
       candidates: every priced `(compressor, exchange, bucket_bytes, step_s)`.
+      trials: the candidates timed on the job, `(compressor, exchange, bucket_bytes,
+        predicted step_s, measured step_s)`, fastest predicted first (empty when none
+        were timed: one replica, or `trials=0`).
+      measured_step_s: the chosen candidate's measured step (compute plus the timed
+        reduction), or None without trials.
     """
 
     compressor: str
@@ -55,6 +63,8 @@ class Decision:
     link: Link
     compute_s: float
     candidates: tuple = ()
+    trials: tuple = ()
+    measured_step_s: float | None = None
 
     def ops(self, **kwargs) -> CompressedAllReduce:
         """The `CompressedAllReduce` of this decision (`kwargs`: its other arguments)."""
@@ -213,7 +223,8 @@ def _specs(weights) -> list[tuple[tuple[int, ...], tf.DType]]:
 def autotune(strategy: tf.distribute.Strategy, weights, *, compute: float | Callable[[], Any],
              accuracy: str = "balanced", compressors: Sequence[str] | None = None,
              bucket_sizes: Sequence[int] = BUCKET_SIZES, probe_bytes: Sequence[int] = PROBE_BYTES,
-             calibrate_numel: int = 2**20, overlap: float = 0.0, install: bool = True,
+             calibrate_numel: int = 2**20, overlap: float = 0.0, trials: int = 3,
+             trial_steps: int = 5, install: bool = True,
              **ops_kwargs) -> CompressedAllReduce:
     """Measures, decides (`decide`) and returns a ready `CompressedAllReduce`.
 
@@ -238,6 +249,11 @@ def autotune(strategy: tf.distribute.Strategy, weights, *, compute: float | Call
       calibrate_numel: elements each candidate compresses when timed.
       overlap: see `costmodel.predict` (0, the conservative default, assumes no
         exchange hides behind backprop).
+      trials: how many of the fastest predicted candidates (the best bucket size of
+        each compressor and exchange) to time on the job before choosing; 0 or 1
+        takes the prediction as it is.
+      trial_steps: timed reductions per trial (after one that traces), in the
+        compressor's steady state (past its warm-up).
       install: make the strategy use the result.
       **ops_kwargs: further `CompressedAllReduce` arguments (e.g. `timeout_seconds`).
 
@@ -246,7 +262,8 @@ def autotune(strategy: tf.distribute.Strategy, weights, *, compute: float | Call
 
     Raises:
       ValueError: for an unknown accuracy class or compressor, a strategy whose ops
-        already compress, or a `compute` that is neither a number nor callable.
+        already compress, a `compute` that is neither a number nor callable, or
+        `trials` or `trial_steps` out of range.
 
     Example:
       >>> strategy = tf_gradsync.MultiWorkerMirroredStrategy()
@@ -255,6 +272,9 @@ def autotune(strategy: tf.distribute.Strategy, weights, *, compute: float | Call
       >>> ops = tf_gradsync.autotune(strategy, model, compute=0.25)
       >>> model.compile(...); model.fit(...)
     """
+    for arg, value, low in (("trials", trials, 0), ("trial_steps", trial_steps, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{arg} must be an integer >= {low}, got {value!r}")
     names = list(compressors) if compressors is not None else candidates(accuracy)
     for n in names:
         compression.get(n)                     # a clear error for an unknown name
@@ -284,6 +304,8 @@ def autotune(strategy: tf.distribute.Strategy, weights, *, compute: float | Call
     throughput = dict(zip(dict.fromkeys(["none", *names]), measured[len(probe) + 1:]))
     link = fit_link(probe_bytes, probe[:-1], workers, probe[-1]) if workers > 1 else Link()
     decision = decide(specs, workers, link, compute_s, names, throughput, bucket_sizes, overlap)
+    if trials > 1 and workers > 1:
+        decision = _try(strategy, specs, decision, trials, trial_steps, current, ops_kwargs)
     ops = decision.ops(**ops_kwargs)
     ops.decision = decision
     logging.info("tf_gradsync.autotune: %s, exchange %s, bucket_bytes %d: predicted %.4g s per "
@@ -292,9 +314,74 @@ def autotune(strategy: tf.distribute.Strategy, weights, *, compute: float | Call
                  decision.bucket_bytes, decision.predicted_step_s, decision.predicted_speedup,
                  link.latency_s * 1e6, link.bytes_per_s * 8e-9, link.round_seconds * 1e6,
                  compute_s, workers)
+    for name, exchange, bucket_bytes, predicted, measured in decision.trials:
+        logging.info("tf_gradsync.autotune trial: %s, exchange %s, bucket_bytes %d: predicted "
+                     "%.4g s, measured %.4g s per step", name, exchange, bucket_bytes,
+                     predicted, measured)
     if install:
         _install(strategy, ops)
     return ops
+
+
+def _try(strategy: tf.distribute.Strategy, specs, decision: Decision, trials: int, steps: int,
+         exact, ops_kwargs: dict) -> Decision:
+    """Times the `trials` fastest predicted candidates on the job and returns the decision
+    for the fastest measured one (ties: the faster predicted).
+
+    Each candidate reduces the same gradient-sized tensors (normal noise, different on
+    every replica) through the strategy, as a training step's gradients are: the
+    buckets, codecs, collectives and the waiting for peers that the cost model can only
+    estimate. The reduction's median is added to the measured compute. Timings are
+    averaged over the workers through `exact` (the strategy's ops before autotune), so
+    every worker chooses the same candidate.
+    """
+    best = {}
+    for row in sorted(decision.candidates, key=lambda r: r[3]):
+        best.setdefault(row[:2], row)           # each compressor and exchange once
+    tried = list(best.values())[:trials]
+    values = strategy.experimental_distribute_values_from_function(
+        lambda ctx: [tf.random.stateless_normal(shape, (ctx.replica_id_in_sync_group, i),
+                                                dtype=dtype)
+                     if dtype.is_floating else tf.zeros(shape, dtype)
+                     for i, (shape, dtype) in enumerate(specs)])
+    seconds = []
+    for name, exchange, bucket_bytes, _ in tried:
+        ops = dataclasses.replace(decision, compressor=name, exchange=exchange,
+                                  bucket_bytes=bucket_bytes).ops(**ops_kwargs)
+        _install(strategy, ops)
+        seconds.append(_time_reduction(strategy, ops, values, steps))
+    # The mean below must be exact: back to the ops the link was probed with.
+    _tf_compat.set_cross_device_ops(strategy, exact)
+    measured = [decision.compute_s + s for s in _mean_over_workers(strategy, seconds)]
+    rows = tuple((*row, m) for row, m in zip(tried, measured))
+    pick = min(range(len(rows)), key=lambda i: (round(rows[i][4], 9), i))
+    name, exchange, bucket_bytes, predicted, step_s = rows[pick]
+    return dataclasses.replace(decision, compressor=name, exchange=exchange,
+                               bucket_bytes=bucket_bytes, predicted_step_s=predicted,
+                               predicted_speedup=decision.predicted_speedup
+                               * decision.predicted_step_s / predicted,
+                               trials=rows, measured_step_s=step_s)
+
+
+def _time_reduction(strategy: tf.distribute.Strategy, ops: CompressedAllReduce, values,
+                    steps: int) -> float:
+    """Median seconds of `steps` all-reduces of `values` through the strategy (after one
+    that traces), with `ops` past their compressor's warm-up."""
+    @tf.function
+    def reduce(vals):
+        def fn(v):
+            # Placed on the replica's device (an argument has none inside the function,
+            # and a reduction needs its destination); an identity copies nothing.
+            v = [tf.identity(t) for t in v]
+            out = tf.distribute.get_replica_context().all_reduce("SUM", v)
+            # One entry of each result: waiting for it waits for the whole reduction,
+            # without copying the gradients out.
+            return tf.add_n([tf.cast(tf.reshape(t, [-1])[0], tf.float32) for t in out])
+        return strategy.experimental_local_results(strategy.run(fn, args=(vals,)))
+
+    reduce(values)
+    ops.start_at_step(1 << 40)
+    return costmodel.median_seconds(lambda: reduce(values), steps)[0]
 
 
 def _install(strategy: tf.distribute.Strategy, ops: CompressedAllReduce) -> None:

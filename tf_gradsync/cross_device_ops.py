@@ -171,6 +171,12 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
     def reset_stats(self) -> None:
         self._stats.reset()
 
+    def start_at_step(self, step: int) -> None:
+        """Continues as if `step` synchronisations had happened: compressors leave
+        their warm-up (PowerSGD's `start_iter`, DGC's ramp) and per-step random choices
+        follow from there. `tf_gradsync.autotune` times its trials in that steady state."""
+        self._stats.start_at(step)
+
     def __repr__(self) -> str:
         return (f"CompressedAllReduce({self._compressor!r}, bucket_bytes={self._bucket_bytes}, "
                 f"algorithm={self._algorithm!r}, exchange={self._exchange!r})")

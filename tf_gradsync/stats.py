@@ -64,6 +64,12 @@ class Stats:
                 v["last_error_sq"].assign(tf.add_n([e for e, _ in errors]))
                 v["last_norm_sq"].assign(tf.add_n([s for _, s in errors]))
 
+    def start_at(self, step: int) -> None:
+        """Sets the step counter to `step` (it seeds per-step random choices and ends
+        compressors' warm-up), as if that many synchronisations had happened."""
+        self._ensure()
+        self._vars["steps"].assign(step)
+
     def reset(self) -> None:
         self._ensure()
         for field in self._FIELDS + self._ERROR_FIELDS:
