@@ -198,16 +198,25 @@ def test_tiny_end_to_end_run(tmp_path):
     env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2")
     proc = subprocess.run(
         [sys.executable, "-m", "tf_gradsync.bench", "cluster", "--cluster_workers=2",
-         "--rate=1gbit", "--params=100000", "--steps=3", "--compressors=fp16", f"--json={out}"],
-        env=env, capture_output=True, text=True, timeout=240)
+         "--rate=1gbit", "--params=100000", "--steps=3", "--compressors=fp16,autotune",
+         f"--json={out}"],
+        env=env, capture_output=True, text=True, timeout=360)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "CPU cores shared by 2 workers" in proc.stderr
     rows = json.loads(out.read_text())
-    assert [r["mode"] for r in rows] == ["compute-only", "stock MWMS", "fp16"]
+    assert [r["mode"] for r in rows] == ["compute-only", "stock MWMS", "fp16", "autotune: fp16"]
     assert all(set(cluster.COLUMNS) - {"stats_bytes", "wire_vs_stats"} <= set(r) for r in rows[1:])
     params = rows[0]["params"]
     assert params == 316 * 316 + 316
-    compute, stock, fp16 = rows
+    compute, stock, fp16, tuned = rows
+    # autotune chose among the other rows' compressors (fp16 alone here), after timing
+    # it on the job in each exchange it can travel in; it sends what fp16 sends.
+    assert sorted(t[1] for t in tuned["decision"]["trials"]) == ["ring", "tree"]
+    assert tuned["decision"]["measured_step_s"] == min(t[4] for t in tuned["decision"]["trials"])
+    assert tuned["stats_bytes"] == fp16["stats_bytes"] and tuned["exchange"] == "all-reduce"
+    assert tuned["vs_best"] == pytest.approx(tuned["step_s"] / fp16["step_s"])
+    assert fp16["vs_best"] == 1.0 and tuned["pick"] == ""
+    rows = rows[:3]
     # Ring arithmetic for 2 workers, 2(N-1)/N = 1: each sends one payload per step.
     assert stock["ring_bound"] == 4 * params
     assert fp16["stats_bytes"] == fp16["ring_bound"] == 2 * params

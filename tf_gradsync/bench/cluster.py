@@ -45,7 +45,7 @@ PLOT = ("mode", "speedup", "speed-up vs stock MWMS", "setup")
 SCATTER = ("step_s", "predicted_s", "mode")
 COLUMNS = ["setup", "workers", "rate", "mode", "exchange", "step_s", "speedup", "vs_compute",
            "compute_s", "codec_s", "wire_s", "waiting_s", "predicted_s", "prediction_error",
-           "pick", "items_per_s", "stats_bytes", "wire_bytes", "wire_vs_stats", "ring_bound", "wire_vs_bound", "cores", "load"]
+           "pick", "vs_best", "items_per_s", "stats_bytes", "wire_bytes", "wire_vs_stats", "ring_bound", "wire_vs_bound", "cores", "load"]
 _PORT = 20000   # every namespace has its own ports, so all workers can use the same one
 _ENV = {"TF_CPP_MIN_LOG_LEVEL": "2",
         # glibc returning the large gradient buffers every step makes timings noisy.
@@ -88,7 +88,9 @@ def measure(n: int, rate: str, modes: Sequence[str], params: int, steps: int,
     Args:
       n: workers.
       rate: link rate of every worker, tc style.
-      modes: compressor names.
+      modes: compressor specs, and "autotune" for a row whose ops `tf_gradsync.autotune`
+        chooses among theirs (run last; its `decision` and `vs_best`, its step over
+        the fastest of theirs, in the row).
       params: model parameters.
       steps: timed steps per run.
       delay: one-way link latency (needs netem), or None.
@@ -107,14 +109,21 @@ def measure(n: int, rate: str, modes: Sequence[str], params: int, steps: int,
     _log(f"{n} workers at {rate}: {cores} CPU cores shared by {n} workers (load average "
          f"{load:.1f} before starting); step times include that contention")
     rows = []
+    # autotune chooses among the other rows' compressors, after them.
+    order = [m for m in modes if m != multiworker.AUTOTUNE]
+    names = [m.split(":")[0] for m in order]
+    tune = [multiworker.AUTOTUNE] if multiworker.AUTOTUNE in modes else []
     with netns.Network(n, rate, delay) as net:
         _live.append(net)
         probes = _job(net, "probe", params, steps, timeout, model, image_size,
-                      [f"--probe_modes={','.join(['none', *modes])}",
+                      [f"--probe_modes={','.join(['none', *order])}",
                        f"--probe_numel={min(params, 25_000_000)}"])
         specs = None
-        for mode in ["compute", "stock", *modes]:
-            ranks = _job(net, mode, params, steps, timeout, model, image_size)
+        for mode in ["compute", "stock", *order, *tune]:
+            extra = ([f"--candidates={','.join(dict.fromkeys(names))}"]
+                     if mode == multiworker.AUTOTUNE and names else [])
+            ranks = _job(net, mode, params, steps, timeout, model, image_size, extra)
+            decision = ranks[0].get("decision")
             specs = specs or ranks[0]["specs"]
             row = {"workers": n, "rate": rate, "setup": f"{n} workers, {rate}",
                    "mode": {"compute": "compute-only", "stock": "stock MWMS"}.get(mode, mode),
@@ -132,12 +141,16 @@ def measure(n: int, rate: str, modes: Sequence[str], params: int, steps: int,
                 server = ranks[0]["server_payload_bytes"]
                 # Summable payloads: a ring all-reduce; others: a ring all-gather, or
                 # (N-1)/N of the payload out and of the owners' re-compression back.
-                ops = ops_from_spec(mode)
-                two = algorithms.choose_exchange(ops.exchange, n, payload, payload,
+                ops = ops_from_spec(decision["compressor"] if decision else mode)
+                exchange = decision["exchange"] if decision else ops.exchange
+                two = algorithms.choose_exchange(exchange, n, payload, payload,
                                                  server) == "two_phase"
-                row["exchange"] = ("all-reduce" if ops.compressor.summable else
+                summable = ops.compressor.summable
+                row["exchange"] = ("all-reduce" if summable else
                                    "two-phase" if two else "gather")
-                row["ring_bound"] = (2 * (n - 1) * payload // n if ops.compressor.summable
+                if decision:
+                    row.update(mode=f"autotune: {decision['compressor']}", decision=decision)
+                row["ring_bound"] = (2 * (n - 1) * payload // n if summable
                                      else (n - 1) * (payload + server) // n if two
                                      else (n - 1) * payload)
                 row["wire_vs_stats"] = row["wire_bytes"] / max(row["stats_bytes"], 1)
@@ -200,19 +213,27 @@ def predict(rows: list[dict], probes: list[dict], specs: list, n: int) -> None:
     compute = rows[0]["step_s"]
     kinds = {"all-reduce": "ring", "two-phase": "two_phase", "gather": "gather", None: "ring"}
     for row in rows[1:]:
-        spec = "none" if row["mode"] == "stock MWMS" else row["mode"]
+        decision = row.get("decision")
+        spec = ("none" if row["mode"] == "stock MWMS" else
+                decision["compressor"] if decision else row["mode"])
         ops = ops_from_spec(spec)
-        payloads = costmodel.model_payloads(ops.compressor, specs, ops.bucket_bytes, n)
+        bucket_bytes = decision["bucket_bytes"] if decision else ops.bucket_bytes
+        payloads = costmodel.model_payloads(ops.compressor, specs, bucket_bytes, n)
         p = costmodel.predict(ops.compressor, payloads, kinds[row["exchange"]], n, link, compute,
-                              rates[spec])
+                              rates.get(spec))
         row["predicted_s"] = p.step_s
         row["codec_s"] = p.codec_s if row["mode"] != "stock MWMS" else 0.0
         row["prediction_error"] = p.step_s / row["step_s"] - 1
         row["link"] = [link.latency_s, link.bytes_per_s, link.round_s]
         row["pick"] = ""
-    ours = rows[2:]
+    ours = [r for r in rows[2:] if "decision" not in r]
     if ours:
         min(ours, key=lambda r: r["predicted_s"])["pick"] = "*"
+        # Each step over the fastest compressor row's: how far the model's pick, and
+        # autotune's (the model's few fastest, timed on the job), are from the best.
+        fastest = min(r["step_s"] for r in ours)
+        for row in rows[1:]:
+            row["vs_best"] = row["step_s"] / fastest
 
 
 def _job(net: netns.Network, mode: str, params: int, steps: int, timeout: float,
@@ -263,7 +284,8 @@ def _validate() -> tuple[list[int], list[str], list[str]]:
             raise ValueError(f"--rate: {e}") from None
     modes = list(FLAGS.compressors or DEFAULT_COMPRESSORS)
     for m in modes:
-        ops_from_spec(m)   # ValueError naming the valid compressors
+        if m != multiworker.AUTOTUNE:
+            ops_from_spec(m)   # ValueError naming the valid compressors
     if FLAGS.params < 1 or FLAGS.steps < 1:
         raise ValueError(f"--params and --steps must be >= 1, got {FLAGS.params}, {FLAGS.steps}")
     netns.check_privileges()

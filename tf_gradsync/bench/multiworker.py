@@ -2,7 +2,8 @@
 against tf_gradsync.MultiWorkerMirroredStrategy, each run started by the launcher.
 
 Worker entry point (also used by the `cluster` suite):
-`python -m tf_gradsync.bench.multiworker --mode=stock|compute|<compressor> [--ifname=IF]`,
+`python -m tf_gradsync.bench.multiworker --mode=stock|compute|autotune|<compressor>
+[--ifname=IF]`,
 or `--mode=probe --probe_modes=fp16,topk` for the cost model's measurements.
 """
 
@@ -13,6 +14,7 @@ import os
 import subprocess
 import sys
 import time
+from typing import Sequence
 
 import numpy as np
 from absl import flags
@@ -29,6 +31,8 @@ flags.DEFINE_integer("batch", None, "multiworker, cluster: examples per worker a
                      "(default: 16; resnet50 8, transformer 8 sequences).")
 flags.DEFINE_integer("image_size", 224, "multiworker, cluster: resnet50 image size.")
 FLAGS = flags.FLAGS
+#: The mode whose ops `tf_gradsync.autotune` chooses.
+AUTOTUNE = "autotune"
 #: Figure (see figure.py): step time relative to stock.
 PLOT = ("mode", "vs_stock", "step time / stock")
 
@@ -53,13 +57,15 @@ def probe(modes: list[str], numel: int) -> dict:
 
 
 def worker(mode: str, params: int, steps: int, batch: int, ifname: str | None = None,
-           model: str = "dense", image_size: int = 224) -> dict:
+           model: str = "dense", image_size: int = 224,
+           candidates: Sequence[str] | None = None) -> dict:
     """One worker's part of a run: a model of `models` on synthetic data.
 
     Args:
       mode: "stock" (tf.distribute.MultiWorkerMirroredStrategy), "compute" (the same
-        step with no communication at all), or a compressor spec (ours; see
-        `tf_gradsync.bench.ops_from_spec`).
+        step with no communication at all), "autotune" (ours, with the ops
+        `tf_gradsync.autotune` chooses among `candidates`), or a compressor spec (ours;
+        see `tf_gradsync.bench.ops_from_spec`).
       params: model parameters (a square Dense layer, so rounded to a square).
       steps: timed steps, after one untimed step that traces and warms up.
       batch: examples per step.
@@ -67,13 +73,15 @@ def worker(mode: str, params: int, steps: int, batch: int, ifname: str | None = 
         steps (e.g. the worker's link inside its network namespace).
       model: a name of `models.NAMES`.
       image_size: resnet50's input size.
+      candidates: "autotune": compressor names to choose from (default: every one).
 
     Returns:
       `mode`, `model`, `params`, `median_s`, `items_per_s` (images, tokens or examples
       per second over all workers) and `unit`; with `ifname`, `tx_bytes_per_step`; for ours,
       `bytes_per_step` (`last_bytes_sent` of `ops.stats()`), `payload_bytes` (the
       payload tensors of one step's buckets, all rounds) and `server_payload_bytes`
-      (the same with the codec owners re-compress with in two phases).
+      (the same with the codec owners re-compress with in two phases); for
+      "autotune", `decision`: what it chose, predicted and measured in its trials.
     """
     import tensorflow as tf
     import tf_gradsync as gs
@@ -88,11 +96,25 @@ def worker(mode: str, params: int, steps: int, batch: int, ifname: str | None = 
         # cores and memory bandwidth is part of the floor being measured).
         if "TF_CONFIG" in os.environ:
             barrier = tf.distribute.MultiWorkerMirroredStrategy()
+    elif mode == AUTOTUNE:
+        strategy = gs.MultiWorkerMirroredStrategy()
     else:
         ops = ops_from_spec(mode)
         strategy = gs.MultiWorkerMirroredStrategy(cross_device_ops=ops)
     with strategy.scope():
         work = models.build(model, batch, params, image_size)
+    decision = None
+    if mode == AUTOTUNE:
+        ops = gs.autotune(strategy, work.model, compute=work.compute_step(strategy),
+                          accuracy="aggressive", compressors=candidates, timeout_seconds=300)
+        # The timed steps measure the chosen compressor's steady state, as the other
+        # rows do (PowerSGD's is run with start_iter=0 there).
+        ops.start_at_step(1 << 40)
+        d = ops.decision
+        decision = {"compressor": d.compressor, "exchange": d.exchange,
+                    "bucket_bytes": d.bucket_bytes, "predicted_step_s": d.predicted_step_s,
+                    "measured_step_s": d.measured_step_s, "trials": d.trials}
+    with strategy.scope():
         opt = tf.keras.optimizers.SGD(1e-3, momentum=0.9)
         if ops is not None:   # as users do: dgc, for one, brings its own momentum
             opt = ops.adapt_optimizer(opt)
@@ -126,6 +148,8 @@ def worker(mode: str, params: int, steps: int, batch: int, ifname: str | None = 
         # What owners send back in two phases (int8 for the one-bit compressors).
         out["server_payload_bytes"] = payload_bytes(ops.compressor.server_codec(), specs,
                                                     ops.bucket_bytes)
+    if decision is not None:
+        out["decision"] = decision
     return out
 
 
@@ -203,9 +227,12 @@ if __name__ == "__main__":
     p.add_argument("--image_size", type=int, default=224)
     p.add_argument("--probe_modes", default="", help="probe: compressor specs, comma-separated")
     p.add_argument("--probe_numel", type=int, default=4_000_000)
+    p.add_argument("--candidates", default="",
+                   help="autotune: compressor names to choose from (default: every one)")
     a = p.parse_args()
     if a.mode == "probe":
         result = probe([m for m in a.probe_modes.split(",") if m], a.probe_numel)
     else:
-        result = worker(a.mode, a.params, a.steps, a.batch, a.ifname, a.model, a.image_size)
+        result = worker(a.mode, a.params, a.steps, a.batch, a.ifname, a.model, a.image_size,
+                        [c for c in a.candidates.split(",") if c] or None)
     print("RESULT " + json.dumps(result), flush=True)
