@@ -119,11 +119,18 @@ def test_autotune_measures_installs_and_trains(devices):
     assert ops.decision.compressor in ("none", "fp16", "topk")
     assert ops.decision.link.bytes_per_s > 0 and ops.decision.link.latency_s > 0
     assert ops.decision.link.round_s > 0
-    # The fastest predicted compressor-and-exchange pairs were timed on the strategy,
-    # and the fastest measured one chosen.
+    # Four compressor-and-exchange pairs were timed on the strategy, the fastest
+    # predicted of each kind of exchange among them, and the fastest measured chosen.
     d = ops.decision
-    first = list(dict.fromkeys(r[:2] for r in sorted(d.candidates, key=lambda r: r[3])))
-    assert [t[:2] for t in d.trials] == first[:3]
+    ranked = list(dict.fromkeys(r[:2] for r in sorted(d.candidates, key=lambda r: r[3])))
+    tried = [t[:2] for t in d.trials]
+    assert len(tried) == 4 and tried == sorted(tried, key=ranked.index)
+
+    def kind(exchange):
+        return "all-reduce" if exchange in ("ring", "tree") else exchange
+    assert {kind(e) for _, e in ranked} == {"all-reduce", "gather", "two_phase"}
+    for k in ("all-reduce", "gather", "two_phase"):
+        assert next(p for p in ranked if kind(p[1]) == k) in tried
     assert all(t[4] > d.compute_s for t in d.trials)
     fastest = min(d.trials, key=lambda t: t[4])
     assert (d.compressor, d.exchange, d.bucket_bytes) == fastest[:3]
@@ -172,7 +179,7 @@ def test_every_worker_reaches_the_same_decision(tmp_path):
     assert a == b
     assert a["link"][2] > 0           # the all-to-all probe ran across both workers
     # Candidates were timed across both workers, the fastest measured chosen.
-    assert len(a["trials"]) == 3
+    assert len(a["trials"]) == 4
     assert a["measured_step_s"] == min(t[4] for t in a["trials"])
     assert a["compute_s"] == pytest.approx(0.0015, rel=1e-3)
     assert ranks[0]["fingerprints"] == ranks[1]["fingerprints"]

@@ -223,7 +223,7 @@ def _specs(weights) -> list[tuple[tuple[int, ...], tf.DType]]:
 def autotune(strategy: tf.distribute.Strategy, weights, *, compute: float | Callable[[], Any],
              accuracy: str = "balanced", compressors: Sequence[str] | None = None,
              bucket_sizes: Sequence[int] = BUCKET_SIZES, probe_bytes: Sequence[int] = PROBE_BYTES,
-             calibrate_numel: int = 2**20, overlap: float = 0.0, trials: int = 3,
+             calibrate_numel: int = 2**20, overlap: float = 0.0, trials: int = 4,
              trial_steps: int = 5, install: bool = True,
              **ops_kwargs) -> CompressedAllReduce:
     """Measures, decides (`decide`) and returns a ready `CompressedAllReduce`.
@@ -249,9 +249,10 @@ def autotune(strategy: tf.distribute.Strategy, weights, *, compute: float | Call
       calibrate_numel: elements each candidate compresses when timed.
       overlap: see `costmodel.predict` (0, the conservative default, assumes no
         exchange hides behind backprop).
-      trials: how many of the fastest predicted candidates (the best bucket size of
-        each compressor and exchange) to time on the job before choosing; 0 or 1
-        takes the prediction as it is.
+      trials: how many candidates (the best bucket size of each compressor and
+        exchange) to time on the job before choosing: the fastest predicted of each
+        kind of exchange, then the fastest predicted of the rest; 0 or 1 takes the
+        prediction as it is.
       trial_steps: timed reductions per trial (after one that traces), in the
         compressor's steady state (past its warm-up).
       install: make the strategy use the result.
@@ -325,8 +326,9 @@ def autotune(strategy: tf.distribute.Strategy, weights, *, compute: float | Call
 
 def _try(strategy: tf.distribute.Strategy, specs, decision: Decision, trials: int, steps: int,
          exact, ops_kwargs: dict) -> Decision:
-    """Times the `trials` fastest predicted candidates on the job and returns the decision
-    for the fastest measured one (ties: the faster predicted).
+    """Times `trials` candidates on the job (the fastest predicted of each kind of
+    exchange: all-reduce, gather, two phases; then the fastest predicted of the rest)
+    and returns the decision for the fastest measured one (ties: the faster predicted).
 
     Each candidate reduces the same gradient-sized tensors (normal noise, different on
     every replica) through the strategy, as a training step's gradients are: the
@@ -338,7 +340,16 @@ def _try(strategy: tf.distribute.Strategy, specs, decision: Decision, trials: in
     best = {}
     for row in sorted(decision.candidates, key=lambda r: r[3]):
         best.setdefault(row[:2], row)           # each compressor and exchange once
-    tried = list(best.values())[:trials]
+    ranked = list(best.values())
+    # The fastest predicted of each kind of exchange first, then the fastest of the
+    # rest: the model's errors are shared within a kind (the same collective rounds,
+    # the same codec work per round), so a miss there must not crowd out the others.
+    kinds = {}
+    for row in ranked:
+        kinds.setdefault(_KIND.get(row[1], row[1]), row)
+    first = list(kinds.values())[:trials]
+    tried = sorted(first + [r for r in ranked if r not in first][:trials - len(first)],
+                   key=ranked.index)
     values = strategy.experimental_distribute_values_from_function(
         lambda ctx: [tf.random.stateless_normal(shape, (ctx.replica_id_in_sync_group, i),
                                                 dtype=dtype)
@@ -361,6 +372,10 @@ def _try(strategy: tf.distribute.Strategy, specs, decision: Decision, trials: in
                                predicted_speedup=decision.predicted_speedup
                                * decision.predicted_step_s / predicted,
                                trials=rows, measured_step_s=step_s)
+
+
+#: Exchanges of one kind: all-reduces of summable payloads.
+_KIND = {"ring": "all-reduce", "tree": "all-reduce", "hierarchical": "all-reduce"}
 
 
 def _time_reduction(strategy: tf.distribute.Strategy, ops: CompressedAllReduce, values,
