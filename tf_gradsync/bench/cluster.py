@@ -8,7 +8,9 @@ bandwidth), stock, then each compressor; each row carries the cost model's predi
 of its step (`predicted_s`) next to the measured one, and a breakdown of the measured
 step (`breakdown`: compute, codec, wire, waiting). Workers run
 `tf_gradsync.bench.multiworker`'s worker with a TF_CONFIG of namespace addresses and
-read their link's kernel tx counter around the timed steps.
+read their link's kernel tx counter around the timed steps. `autotune` among the
+compressors adds a last row whose ops `tf_gradsync.autotune` chooses among the others;
+`vs_best` is each row's step over the fastest compressor row's.
 Needs root. Everything created (namespaces, links, bridge, processes) is removed on
 return, on error, on SIGINT/SIGTERM and at exit; leftovers of a killed run are removed
 at the next start.
