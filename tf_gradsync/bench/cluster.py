@@ -221,8 +221,11 @@ def predict(rows: list[dict], probes: list[dict], specs: list, n: int) -> None:
         ops = ops_from_spec(spec)
         bucket_bytes = decision["bucket_bytes"] if decision else ops.bucket_bytes
         payloads = costmodel.model_payloads(ops.compressor, specs, bucket_bytes, n)
+        # autotune's pick is a plain name: the rate of the probed spec it names.
+        rate = rates.get(spec) or next(
+            (v for m, v in rates.items() if m.split(":")[0] == spec), None)
         p = costmodel.predict(ops.compressor, payloads, kinds[row["exchange"]], n, link, compute,
-                              rates.get(spec))
+                              rate)
         row["predicted_s"] = p.step_s
         row["codec_s"] = p.codec_s if row["mode"] != "stock MWMS" else 0.0
         row["prediction_error"] = p.step_s / row["step_s"] - 1
