@@ -326,8 +326,9 @@ def autotune(strategy: tf.distribute.Strategy, weights, *, compute: float | Call
 
 def _try(strategy: tf.distribute.Strategy, specs, decision: Decision, trials: int, steps: int,
          exact, ops_kwargs: dict) -> Decision:
-    """Times `trials` candidates on the job (the fastest predicted of each kind of
-    exchange: all-reduce, gather, two phases; then the fastest predicted of the rest)
+    """Times `trials` candidates on the job, each compressor at most once per kind of
+    exchange (all-reduce, gather, two phases): the fastest predicted of each kind, then
+    the fastest predicted of the rest
     and returns the decision for the fastest measured one (ties: the faster predicted).
 
     Each candidate reduces the same gradient-sized tensors (normal noise, different on
@@ -339,7 +340,9 @@ def _try(strategy: tf.distribute.Strategy, specs, decision: Decision, trials: in
     """
     best = {}
     for row in sorted(decision.candidates, key=lambda r: r[3]):
-        best.setdefault(row[:2], row)           # each compressor and exchange once
+        # Each compressor once per kind of exchange: a ring and a tree are priced
+        # apart, but `Decision.ops` leaves the all-reduce's algorithm to the ops.
+        best.setdefault((row[0], _KIND.get(row[1], row[1])), row)
     ranked = list(best.values())
     # The fastest predicted of each kind of exchange first, then the fastest of the
     # rest: the model's errors are shared within a kind (the same collective rounds,
