@@ -328,8 +328,8 @@ def _try(strategy: tf.distribute.Strategy, specs, decision: Decision, trials: in
          exact, ops_kwargs: dict) -> Decision:
     """Times `trials` candidates on the job, each compressor at most once per kind of
     exchange (all-reduce, gather, two phases): the fastest predicted of each kind, then
-    the fastest predicted of the rest
-    and returns the decision for the fastest measured one (ties: the faster predicted).
+    the fastest predicted of the rest; returns the decision for the fastest measured one
+    (ties: the faster predicted).
 
     Each candidate reduces the same gradient-sized tensors (normal noise, different on
     every replica) through the strategy, as a training step's gradients are: the
