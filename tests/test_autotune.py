@@ -113,7 +113,7 @@ def test_autotune_measures_installs_and_trains(devices):
     calls = []
     ops = gs.autotune(strategy, model, compute=lambda: calls.append(1),
                       compressors=["none", "fp16", "topk"], probe_bytes=(4096, 1 << 16),
-                      calibrate_numel=20_000, bucket_sizes=(1 << 20,))
+                      calibrate_numel=20_000, bucket_sizes=(1 << 20, 4096))
     assert len(calls) == 4                       # one warm-up and three timed
     assert gs._tf_compat.cross_device_ops_of(strategy) is ops
     assert ops.decision.compressor in ("none", "fp16", "topk")
@@ -123,8 +123,12 @@ def test_autotune_measures_installs_and_trains(devices):
     # predicted of each kind of exchange among them, and the fastest measured chosen.
     d = ops.decision
     ranked = list(dict.fromkeys(r[:2] for r in sorted(d.candidates, key=lambda r: r[3])))
-    tried = [t[:2] for t in d.trials]
-    assert len(tried) == 4 and tried == sorted(tried, key=ranked.index)
+    tried = [t[:2] for t in d.trials[:4]]
+    assert len(d.trials) == 5 and tried == sorted(tried, key=ranked.index)
+    # Then the fastest of those four at the other bucket size (4 KiB cuts the 8 KiB
+    # kernel and its bias apart, 1 MiB holds both).
+    winner = min(d.trials[:4], key=lambda t: t[4])
+    assert d.trials[4][:2] == winner[:2] and d.trials[4][2] != winner[2]
 
     def kind(exchange):
         return "all-reduce" if exchange in ("ring", "tree") else exchange

@@ -24,6 +24,7 @@ from absl import logging
 
 from tf_gradsync import _tf_compat, algorithms, compression, costmodel
 from tf_gradsync.algorithms.cost import Link
+from tf_gradsync.bucketing import plan_buckets
 from tf_gradsync.compression.base import SCATTER
 from tf_gradsync.cross_device_ops import CompressedAllReduce
 
@@ -49,8 +50,8 @@ class Decision:
       compute_s: the step's compute it was priced with.
       candidates: every priced `(compressor, exchange, bucket_bytes, step_s)`.
       trials: the candidates timed on the job, `(compressor, exchange, bucket_bytes,
-        predicted step_s, measured step_s)`, fastest predicted first (empty when none
-        were timed: one replica, or `trials=0`).
+        predicted step_s, measured step_s)`, in the order timed (empty when none were
+        timed: one replica, or `trials=0`).
       measured_step_s: the chosen candidate's measured step (compute plus the timed
         reduction), or None without trials.
     """
@@ -251,8 +252,9 @@ def autotune(strategy: tf.distribute.Strategy, weights, *, compute: float | Call
         exchange hides behind backprop).
       trials: how many candidates (the best bucket size of each compressor and
         exchange) to time on the job before choosing: the fastest predicted of each
-        kind of exchange, then the fastest predicted of the rest; 0 or 1 takes the
-        prediction as it is.
+        kind of exchange, then the fastest predicted of the rest; the fastest of them
+        is then timed at each other bucket size that groups the tensors differently.
+        0 or 1 takes the prediction as it is.
       trial_steps: timed reductions per trial (after one that traces), in the
         compressor's steady state (past its warm-up).
       install: make the strategy use the result.
@@ -326,17 +328,21 @@ def autotune(strategy: tf.distribute.Strategy, weights, *, compute: float | Call
 
 def _try(strategy: tf.distribute.Strategy, specs, decision: Decision, trials: int, steps: int,
          exact, ops_kwargs: dict) -> Decision:
-    """Times `trials` candidates on the job, each compressor at most once per kind of
-    exchange (all-reduce, gather, two phases): the fastest predicted of each kind, then
-    the fastest predicted of the rest; returns the decision for the fastest measured one
+    """Times candidates on the job and returns the decision for the fastest measured one
     (ties: the faster predicted).
+
+    First `trials` candidates, each compressor at most once per kind of exchange
+    (all-reduce, gather, two phases): the fastest predicted of each kind, then the
+    fastest predicted of the rest. Then the winner at each other bucket size that cuts
+    the model differently: the model prices fewer, larger buckets as cheaper, but
+    leaves out the copies that fuse several tensors into one.
 
     Each candidate reduces the same gradient-sized tensors (normal noise, different on
     every replica) through the strategy, as a training step's gradients are: the
     buckets, codecs, collectives and the waiting for peers that the cost model can only
     estimate. The reduction's median is added to the measured compute. Timings are
     averaged over the workers through `exact` (the strategy's ops before autotune), so
-    every worker chooses the same candidate.
+    every worker makes the same choices.
     """
     best = {}
     for row in sorted(decision.candidates, key=lambda r: r[3]):
@@ -358,23 +364,42 @@ def _try(strategy: tf.distribute.Strategy, specs, decision: Decision, trials: in
                                                 dtype=dtype)
                      if dtype.is_floating else tf.zeros(shape, dtype)
                      for i, (shape, dtype) in enumerate(specs)])
-    seconds = []
-    for name, exchange, bucket_bytes, _ in tried:
-        ops = dataclasses.replace(decision, compressor=name, exchange=exchange,
-                                  bucket_bytes=bucket_bytes).ops(**ops_kwargs)
-        _install(strategy, ops)
-        seconds.append(_time_reduction(strategy, ops, values, steps))
-    # The mean below must be exact: back to the ops the link was probed with.
-    _tf_compat.set_cross_device_ops(strategy, exact)
-    measured = [decision.compute_s + s for s in _mean_over_workers(strategy, seconds)]
-    rows = tuple((*row, m) for row, m in zip(tried, measured))
-    pick = min(range(len(rows)), key=lambda i: (round(rows[i][4], 9), i))
-    name, exchange, bucket_bytes, predicted, step_s = rows[pick]
+
+    def measure(rows):
+        seconds = []
+        for name, exchange, bucket_bytes, _ in rows:
+            ops = dataclasses.replace(decision, compressor=name, exchange=exchange,
+                                      bucket_bytes=bucket_bytes).ops(**ops_kwargs)
+            _install(strategy, ops)
+            seconds.append(_time_reduction(strategy, ops, values, steps))
+        # The mean must be exact: back to the ops the link was probed with.
+        _tf_compat.set_cross_device_ops(strategy, exact)
+        return tuple((*row, decision.compute_s + s)
+                     for row, s in zip(rows, _mean_over_workers(strategy, seconds)))
+
+    def fastest(rows):
+        return min(rows, key=lambda r: (round(r[4], 9), rows.index(r)))
+
+    rows = measure(tried)
+    name, exchange, bucket_bytes = fastest(rows)[:3]
+    plans = {_cuts(specs, bucket_bytes)}
+    others = []
+    for row in sorted(decision.candidates, key=lambda r: r[3]):
+        if row[:2] == (name, exchange) and _cuts(specs, row[2]) not in plans:
+            plans.add(_cuts(specs, row[2]))
+            others.append(row)
+    rows += measure(others) if others else ()
+    name, exchange, bucket_bytes, predicted, step_s = fastest(rows)
     return dataclasses.replace(decision, compressor=name, exchange=exchange,
                                bucket_bytes=bucket_bytes, predicted_step_s=predicted,
                                predicted_speedup=decision.predicted_speedup
                                * decision.predicted_step_s / predicted,
                                trials=rows, measured_step_s=step_s)
+
+
+def _cuts(specs, bucket_bytes: int) -> tuple:
+    """Which tensors go together under `bucket_bytes`."""
+    return tuple(b.layout for b in plan_buckets(specs, bucket_bytes).buckets)
 
 
 #: Exchanges of one kind: all-reduces of summable payloads.
