@@ -47,7 +47,8 @@ PLOT = ("mode", "speedup", "speed-up vs stock MWMS", "setup")
 SCATTER = ("step_s", "predicted_s", "mode")
 COLUMNS = ["setup", "workers", "rate", "mode", "exchange", "step_s", "speedup", "vs_compute",
            "compute_s", "codec_s", "wire_s", "waiting_s", "predicted_s", "prediction_error",
-           "pick", "vs_best", "items_per_s", "stats_bytes", "wire_bytes", "wire_vs_stats", "ring_bound", "wire_vs_bound", "cores", "load"]
+           "pick", "vs_best", "items_per_s", "stats_bytes", "wire_bytes", "wire_vs_stats",
+           "ring_bound", "wire_vs_bound", "cores", "load"]
 _PORT = 20000   # every namespace has its own ports, so all workers can use the same one
 _ENV = {"TF_CPP_MIN_LOG_LEVEL": "2",
         # glibc returning the large gradient buffers every step makes timings noisy.
