@@ -210,8 +210,9 @@ def test_tiny_end_to_end_run(tmp_path):
     assert params == 316 * 316 + 316
     compute, stock, fp16, tuned = rows
     # autotune chose among the other rows' compressors (fp16 alone here), after timing
-    # it on the job in each exchange it can travel in; it sends what fp16 sends.
-    assert sorted(t[1] for t in tuned["decision"]["trials"]) == ["ring", "tree"]
+    # it on the job (once: every bucket size groups this model alike, and its all-reduce
+    # is one kind of exchange); it sends what fp16 sends.
+    assert [t[:1] for t in tuned["decision"]["trials"]] == [["fp16"]]
     assert tuned["decision"]["measured_step_s"] == min(t[4] for t in tuned["decision"]["trials"])
     assert tuned["stats_bytes"] == fp16["stats_bytes"] and tuned["exchange"] == "all-reduce"
     assert tuned["vs_best"] == pytest.approx(tuned["step_s"] / fp16["step_s"])
