@@ -122,22 +122,19 @@ def calibrate_compute(model: str | None, params: int | None, batch: int, repeats
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
     if model is not None and model.lower() == "bert-large":
         raise ValueError("--calibrate cannot build bert-large (its shapes only); give --compute_s")
+    from tf_gradsync.bench import models  # pylint: disable=import-outside-toplevel
     if params is not None:
-        from tf_gradsync.bench import models  # pylint: disable=import-outside-toplevel
         work = models.build("dense", batch, params)
-        net, (x, y), loss = work.model, work.batch, work.loss
     else:
         net = load_model(model)
         shape = [batch, *[d or 224 for d in net.input_shape[1:]]]
-        x = tf.random.uniform(shape)
-        y = None
-        loss = lambda m, x, y: tf.reduce_mean(tf.square(m(x, training=True)))  # noqa: E731
+        work = models.Workload(
+            net, lambda m, x, y: tf.reduce_mean(tf.square(m(x, training=True))),
+            (tf.random.uniform(shape), None), batch, "examples")
 
     @tf.function
     def step():
-        with tf.GradientTape() as tape:
-            value = loss(net, x, y)
-        return tape.gradient(value, net.trainable_variables)
+        return work.gradients()[1]
 
     from tf_gradsync import costmodel  # pylint: disable=import-outside-toplevel
     return costmodel.median_seconds(step, repeats)[0]

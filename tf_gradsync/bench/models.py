@@ -40,37 +40,37 @@ class Workload:
     items: int
     unit: str
 
+    def gradients(self):
+        """One replica's loss and gradients on its batch (inside `strategy.run`)."""
+        import tensorflow as tf  # pylint: disable=import-outside-toplevel
+        with tf.GradientTape() as tape:
+            loss = self.loss(self.model, *self.batch)
+        return loss, tape.gradient(loss, self.model.trainable_variables)
+
     def train_step(self, strategy, optimizer):
         """A `tf.function` running one training step on every replica; it returns the
         loss summed over replicas."""
         import tensorflow as tf  # pylint: disable=import-outside-toplevel
-        net, (x, y) = self.model, self.batch
 
         @tf.function
         def step():
             def fn():
-                with tf.GradientTape() as tape:
-                    loss = self.loss(net, x, y)
-                grads = tape.gradient(loss, net.trainable_variables)
-                optimizer.apply_gradients(zip(grads, net.trainable_variables))
+                loss, grads = self.gradients()
+                optimizer.apply_gradients(zip(grads, self.model.trainable_variables))
                 return loss
             return strategy.reduce("SUM", strategy.run(fn), axis=None)
         return step
-
 
     def compute_step(self, strategy):
         """A `tf.function` running forward and backward on every replica, without
         synchronising the gradients; it returns one number that depends on each of
         them (so that waiting for it waits for all, copying none)."""
         import tensorflow as tf  # pylint: disable=import-outside-toplevel
-        net, (x, y) = self.model, self.batch
 
         @tf.function
         def step():
             def fn():
-                with tf.GradientTape() as tape:
-                    loss = self.loss(net, x, y)
-                grads = tape.gradient(loss, net.trainable_variables)
+                _, grads = self.gradients()
                 return tf.add_n([tf.cast(tf.reshape(getattr(g, "values", g), [-1])[0],
                                          tf.float32) for g in grads])
             return strategy.experimental_local_results(strategy.run(fn))
