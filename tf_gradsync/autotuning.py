@@ -23,7 +23,7 @@ import tensorflow as tf
 from absl import logging
 
 from tf_gradsync import _tf_compat, algorithms, compression, costmodel
-from tf_gradsync.algorithms.cost import Link
+from tf_gradsync.algorithms.cost import ALL_REDUCES, Link
 from tf_gradsync.bucketing import plan_buckets
 from tf_gradsync.compression.base import SCATTER
 from tf_gradsync.cross_device_ops import CompressedAllReduce
@@ -344,18 +344,19 @@ def _try(strategy: tf.distribute.Strategy, specs, decision: Decision, trials: in
     averaged over the workers through `exact` (the strategy's ops before autotune), so
     every worker makes the same choices.
     """
+    priced = sorted(decision.candidates, key=lambda r: r[3])
     best = {}
-    for row in sorted(decision.candidates, key=lambda r: r[3]):
+    for row in priced:
         # Each compressor once per kind of exchange: a ring and a tree are priced
         # apart, but `Decision.ops` leaves the all-reduce's algorithm to the ops.
-        best.setdefault((row[0], _KIND.get(row[1], row[1])), row)
+        best.setdefault((row[0], _kind(row[1])), row)
     ranked = list(best.values())
     # The fastest predicted of each kind of exchange first, then the fastest of the
     # rest: the model's errors are shared within a kind (the same collective rounds,
     # the same codec work per round), so a miss there must not crowd out the others.
     kinds = {}
     for row in ranked:
-        kinds.setdefault(_KIND.get(row[1], row[1]), row)
+        kinds.setdefault(_kind(row[1]), row)
     first = list(kinds.values())[:trials]
     tried = sorted(first + [r for r in ranked if r not in first][:trials - len(first)],
                    key=ranked.index)
@@ -384,9 +385,10 @@ def _try(strategy: tf.distribute.Strategy, specs, decision: Decision, trials: in
     name, exchange, bucket_bytes = fastest(rows)[:3]
     plans = {_cuts(specs, bucket_bytes)}
     others = []
-    for row in sorted(decision.candidates, key=lambda r: r[3]):
-        if row[:2] == (name, exchange) and _cuts(specs, row[2]) not in plans:
-            plans.add(_cuts(specs, row[2]))
+    for row in priced:
+        cuts = _cuts(specs, row[2]) if row[:2] == (name, exchange) else None
+        if cuts is not None and cuts not in plans:
+            plans.add(cuts)
             others.append(row)
     rows += measure(others) if others else ()
     name, exchange, bucket_bytes, predicted, step_s = fastest(rows)
@@ -402,8 +404,9 @@ def _cuts(specs, bucket_bytes: int) -> tuple:
     return tuple(b.layout for b in plan_buckets(specs, bucket_bytes).buckets)
 
 
-#: Exchanges of one kind: all-reduces of summable payloads.
-_KIND = {"ring": "all-reduce", "tree": "all-reduce", "hierarchical": "all-reduce"}
+def _kind(exchange: str) -> str:
+    """"all-reduce" for the exchanges of summable payloads, else the exchange."""
+    return "all-reduce" if exchange in ALL_REDUCES else exchange
 
 
 def _time_reduction(strategy: tf.distribute.Strategy, ops: CompressedAllReduce, values,

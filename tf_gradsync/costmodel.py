@@ -28,7 +28,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_gradsync import _tf_compat
-from tf_gradsync.algorithms.cost import Link, bytes_sent, exchange_seconds
+from tf_gradsync.algorithms.cost import ALL_REDUCES, Link, bytes_sent, exchange_seconds
 from tf_gradsync.bucketing import plan_buckets
 from tf_gradsync.compression import (GATHER, Compressor, Context, Layout, driver, get, nbytes,
                                     two_phase)
@@ -133,7 +133,7 @@ class Prediction:
 def exchanges_for(compressor: Compressor | str, local: int = 1) -> tuple[str, ...]:
     """The exchanges a compressor's payloads can travel in."""
     if get(compressor).summable:
-        return ("ring", "tree", "hierarchical") if local > 1 else ("ring", "tree")
+        return ALL_REDUCES if local > 1 else ALL_REDUCES[:2]
     return ("gather", "two_phase")
 
 
@@ -192,7 +192,7 @@ def predict(compressor: Compressor | str, payloads: Sequence[BucketPayload], exc
         else:
             # SUM rounds are all-reduced (by `exchange` if it is an all-reduce),
             # GATHER rounds all-gathered (also a two-phase bucket too small to cut).
-            reduce = exchange if exchange in ("ring", "tree", "hierarchical") else "ring"
+            reduce = exchange if exchange in ALL_REDUCES else "ring"
             kind_bytes = [("gather" if t == GATHER else reduce, p, None) for t, p in b.rounds]
             gathered = any(t == GATHER for t, _ in b.rounds)
             work = roundtrip * (1 + (n - 1) * DECODE_SHARE if gathered else 1)

@@ -15,6 +15,8 @@ import re
 #: and "two_phase" move the others, "hierarchical" all-reduces within each worker's
 #: devices, then between workers.
 KINDS = ("ring", "tree", "gather", "two_phase", "hierarchical")
+#: The kinds that all-reduce summable payloads.
+ALL_REDUCES = ("ring", "tree", "hierarchical")
 #: What "auto" assumes of a link: latency per message and bandwidth.
 LATENCY_S = 50e-6
 BYTES_PER_S = 125e6
@@ -147,7 +149,7 @@ def bytes_sent(kind: str, workers: int, payload_bytes: float,
                server_bytes: float | None = None) -> float:
     """Bytes one member sends in one exchange of one bucket (see `exchange_seconds`)."""
     n = workers
-    if kind in ("ring", "tree", "hierarchical"):
+    if kind in ALL_REDUCES:
         return 2 * (n - 1) / n * payload_bytes
     if kind == "gather":
         return (n - 1) * payload_bytes
@@ -157,5 +159,5 @@ def bytes_sent(kind: str, workers: int, payload_bytes: float,
     raise ValueError(f"unknown exchange {kind!r}; valid: {', '.join(KINDS)}")
 
 
-__all__ = ["BYTES_PER_S", "KINDS", "LATENCY_S", "Link", "UNITS", "all_to_all_rounds", "bytes_sent",
-           "exchange_seconds", "parse_bandwidth"]
+__all__ = ["ALL_REDUCES", "BYTES_PER_S", "KINDS", "LATENCY_S", "Link", "UNITS", "all_to_all_rounds",
+           "bytes_sent", "exchange_seconds", "parse_bandwidth"]
