@@ -426,7 +426,7 @@ def _time_reduction(strategy: tf.distribute.Strategy, ops: CompressedAllReduce, 
         return strategy.experimental_local_results(strategy.run(fn, args=(vals,)))
 
     reduce(values)
-    ops.start_at_step(1 << 40)
+    ops.start_at_step(costmodel.STEADY_STEP)
     return costmodel.median_seconds(lambda: reduce(values), steps)[0]
 
 

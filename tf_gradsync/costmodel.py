@@ -40,6 +40,8 @@ THROUGHPUT = {"none": 10.8e9, "fp16": 5.8e9, "bf16": 5.3e9, "int8": 2.1e9, "qsgd
               "terngrad": 0.46e9, "sign": 1.0e9, "onebit": 0.87e9, "powersgd": 1.8e9,
               "topk": 0.93e9, "threshold": 0.67e9, "randomk": 0.24e9, "dgc": 0.91e9,
               "adaptive": 0.5e9}
+#: A step far past any compressor's warm-up: timings made there are of its steady state.
+STEADY_STEP = 1 << 40
 #: Throughput assumed for a compressor missing from `THROUGHPUT` (a user's own).
 DEFAULT_THROUGHPUT = 1e9
 #: Share of a compress + decompress spent decoding one payload (decoding is assumed to
@@ -219,8 +221,7 @@ def roundtrip_fn(compressor: Compressor, layout: Layout, replicas: int = 1,
     state = {name: _tf_compat.plain_variable(lambda s=spec: s.initializer(s.shape, s.dtype),
                                              name=name)
              for name, spec in compressor.state_spec(layout).items()}
-    # Far past any warm-up: what is timed is the compressor's steady state.
-    step = tf.Variable(1 << 40, dtype=tf.int64)
+    step = tf.Variable(STEADY_STEP, dtype=tf.int64)
 
     def exchange(messages):
         # One replica: each round's sum (or gather) is its own payload.
@@ -285,7 +286,6 @@ def measure_throughput(compressor: Compressor | str, numel: int, repeats: int = 
     sec, first = median_seconds(lambda: run(x), repeats)
     return {"seconds": sec, "bytes_per_s": numel * 4 / sec, "payload_bytes": int(first[1])}
 
-__all__ = ["BucketPayload", "DECODE_SHARE", "DEFAULT_THROUGHPUT", "Prediction", "THROUGHPUT",
-           "bucket_rounds", "exchanges_for", "matrix_shape", "measure_throughput", "median_seconds",
-           "model_payloads",
-           "predict", "roundtrip_fn"]
+__all__ = ["BucketPayload", "DECODE_SHARE", "DEFAULT_THROUGHPUT", "Prediction", "STEADY_STEP",
+           "THROUGHPUT", "bucket_rounds", "exchanges_for", "matrix_shape", "measure_throughput",
+           "median_seconds", "model_payloads", "predict", "roundtrip_fn"]

@@ -85,6 +85,7 @@ def worker(mode: str, params: int, steps: int, batch: int, ifname: str | None = 
     """
     import tensorflow as tf
     import tf_gradsync as gs
+    from tf_gradsync import costmodel
     tf.get_logger().setLevel("ERROR")
     ops, barrier = None, None
     if mode == "stock":
@@ -109,7 +110,7 @@ def worker(mode: str, params: int, steps: int, batch: int, ifname: str | None = 
                           accuracy="aggressive", compressors=candidates, timeout_seconds=300)
         # The timed steps measure the chosen compressor's steady state, as the other
         # rows do (PowerSGD's is run with start_iter=0 there).
-        ops.start_at_step(1 << 40)
+        ops.start_at_step(costmodel.STEADY_STEP)
         d = ops.decision
         decision = {"compressor": d.compressor, "exchange": d.exchange,
                     "bucket_bytes": d.bucket_bytes, "predicted_step_s": d.predicted_step_s,
