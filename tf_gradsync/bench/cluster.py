@@ -201,8 +201,9 @@ def predict(rows: list[dict], probes: list[dict], specs: list, n: int) -> None:
 
     Its inputs are measured in the same sitting: the link fitted to the probing
     all-reduces and all-to-all (`autotuning.fit_link`), each compressor's throughput
-    timed while every worker times them (unsynchronised, so the contention for cores is
-    in it), and the compute-only row's step as compute.
+    timed by each worker alone (the cores' sharing among the N workers charged as the
+    model's `cpu_share`, cores / N; probes from before the turns were timed by all at
+    once, and are taken as they are), and the compute-only row's step as compute.
     """
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
     from tf_gradsync import autotuning, costmodel  # pylint: disable=import-outside-toplevel
@@ -214,6 +215,8 @@ def predict(rows: list[dict], probes: list[dict], specs: list, n: int) -> None:
     rates = {m: sum(p["throughput"][m] for p in probes) / n for m in probes[0]["throughput"]}
     specs = [(tuple(shape), tf.as_dtype(dtype)) for shape, dtype in specs]
     compute = rows[0]["step_s"]
+    cores = int(str(rows[0].get("cores", n)).split("/")[0])
+    share = min(1.0, cores / n) if probes[0].get("alone") else 1.0
     kinds = {"all-reduce": "ring", "two-phase": "two_phase", "gather": "gather", None: "ring"}
     for row in rows[1:]:
         decision = row.get("decision")
@@ -226,7 +229,7 @@ def predict(rows: list[dict], probes: list[dict], specs: list, n: int) -> None:
         rate = rates.get(spec) or next(
             (v for m, v in rates.items() if m.split(":")[0] == spec), None)
         p = costmodel.predict(ops.compressor, payloads, kinds[row["exchange"]], n, link, compute,
-                              rate)
+                              rate, cpu_share=share)
         row["predicted_s"] = p.step_s
         row["codec_s"] = p.codec_s if row["mode"] != "stock MWMS" else 0.0
         row["prediction_error"] = p.step_s / row["step_s"] - 1

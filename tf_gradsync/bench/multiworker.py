@@ -42,8 +42,11 @@ def probe(modes: list[str], numel: int) -> dict:
     the runs): exact all-reduces of `autotuning.PROBE_BYTES` through TensorFlow's
     collectives (seconds each), an all-to-all of tiny parts as two phases run it
     (`autotuning.probe_all_to_all`), and the throughput of each mode's bucket data path
-    (`plan.calibrate_throughput`) on `numel` elements, while every
-    other worker measures too."""
+    (`plan.calibrate_throughput`) on `numel` elements, each worker in its turn while the
+    others wait: one worker's rates on cores it has to itself (`alone`), which the cost
+    model scales by the cores each worker gets in the runs (`costmodel.predict`'s
+    `cpu_share`). Timed all at once, unsynchronised, a worker's calls met the others'
+    tracing or timing by chance: the same compressor's rate moved 2-3x between sittings."""
     import tensorflow as tf
     import tf_gradsync as gs
     from tf_gradsync import autotuning, plan
@@ -51,9 +54,20 @@ def probe(modes: list[str], numel: int) -> dict:
     strategy = gs.MultiWorkerMirroredStrategy()
     seconds = autotuning.probe_link(strategy)
     all_to_all = autotuning.probe_all_to_all(strategy, timeout=60)
-    rates = plan.calibrate_throughput(modes, numel)
+    rates = None
+    for turn in range(strategy.num_workers):
+        _barrier(strategy)
+        if turn == strategy.worker_index:
+            rates = plan.calibrate_throughput(modes, numel)
+    _barrier(strategy)
     return {"mode": "probe", "probe_bytes": list(autotuning.PROBE_BYTES), "probe_s": seconds,
-            "all_to_all_s": all_to_all, "throughput": rates}
+            "all_to_all_s": all_to_all, "throughput": rates, "alone": True}
+
+
+def _barrier(strategy) -> None:
+    """Returns once every worker has called it (an exact all-reduce of one number)."""
+    import tensorflow as tf
+    strategy.reduce("SUM", strategy.run(lambda: tf.constant(0.0)), axis=None).numpy()
 
 
 def worker(mode: str, params: int, steps: int, batch: int, ifname: str | None = None,
