@@ -241,6 +241,12 @@ def test_tiny_end_to_end_run(tmp_path):
     cluster.predict(again, compute["probes"], compute["specs"], 2)
     for row, redone in zip(rows[1:], again[1:]):
         assert redone["predicted_s"] == pytest.approx(row["predicted_s"])
+    # Each worker timed the codecs alone, and the runs share the cores: were there one
+    # core for the two workers, each worker's codec would take twice as long.
+    assert all(p["alone"] for p in compute["probes"])
+    again[0]["cores"] = "1/2"
+    cluster.predict(again, compute["probes"], compute["specs"], 2)
+    assert again[2]["codec_s"] == pytest.approx(2 * fp16["codec_s"])
     # Where each step goes: the parts add up to the step; the wire at the link's rate.
     for row in rows:
         parts = row["compute_s"] + row["codec_s"] + row["wire_s"] + row["waiting_s"]
