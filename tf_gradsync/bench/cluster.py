@@ -180,8 +180,9 @@ def breakdown(rows: list[dict], bytes_per_s: float) -> None:
 
     compute_s: the compute-only row's step;
     codec_s: compression and decoding (pack to unpack) at the throughput the probe
-      measured, every worker measuring at once, for this model's buckets and exchange
-      (as the cost model prices it; 0 for stock, which sends the gradients as they are);
+      measured (each worker alone, the cores' sharing charged), for this model's buckets
+      and exchange (as the cost model prices it; 0 for stock, which sends the gradients
+      as they are);
     wire_s: the bytes the kernel counted on the worker's link, at the link's rate;
     waiting_s: the rest: latency, waiting for the slowest peer, framework overhead,
       minus whatever ran overlapped (it can be negative when overlap hides more).
