@@ -38,8 +38,8 @@ PLOT = ("mode", "vs_stock", "step time / stock")
 
 
 def probe(modes: list[str], numel: int) -> dict:
-    """A probing job's part (the cost model's measurements, under the same contention as
-    the runs): exact all-reduces of `autotuning.PROBE_BYTES` through TensorFlow's
+    """A probing job's part (the cost model's measurements, on the cluster of the runs):
+    exact all-reduces of `autotuning.PROBE_BYTES` through TensorFlow's
     collectives (seconds each), an all-to-all of tiny parts as two phases run it
     (`autotuning.probe_all_to_all`), and the throughput of each mode's bucket data path
     (`plan.calibrate_throughput`) on `numel` elements, each worker in its turn while the
