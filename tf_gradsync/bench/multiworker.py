@@ -137,7 +137,7 @@ def worker(mode: str, params: int, steps: int, batch: int, ifname: str | None = 
 
     step().numpy()
     if barrier is not None:
-        barrier.reduce("SUM", barrier.run(lambda: tf.constant(1.0)), axis=None).numpy()
+        _barrier(barrier)
     tx_start = _tx_bytes(ifname)
     times = []
     for _ in range(steps):
