@@ -190,6 +190,30 @@ def test_a_worker_that_dies_stops_the_others_and_a_hung_one_times_out(tmp_path):
         assert time.monotonic() - start < 30
 
 
+def test_rematch_runs_the_fastest_row_and_autotune_alternately_and_compares_medians():
+    rows = [{"mode": "compute-only", "step_s": 0.01}, {"mode": "stock MWMS", "step_s": 1.0},
+            {"mode": "fp16", "step_s": 0.30}, {"mode": "topk", "step_s": 0.20},
+            {"mode": "autotune: topk", "step_s": 0.25}]
+    steps = {"topk": iter([0.22, 0.18, 0.26]), "autotune": iter([0.21, 0.30, 0.19])}
+    calls = []
+
+    def job(mode, extra):
+        calls.append((mode, list(extra)))
+        ranks = [{"median_s": next(steps[mode])}]
+        if mode == "autotune":
+            ranks[0]["decision"] = {"compressor": "topk"}
+        return ranks * 2    # two workers, the same step
+
+    cluster.rematch_jobs(rows, 3, job, ["--candidates=fp16,topk"])
+    assert calls == [("topk", []), ("autotune", ["--candidates=fp16,topk"])] * 3
+    tuned = rows[-1]
+    assert tuned["rematch"] == {"best": "topk", "best_s": [0.22, 0.18, 0.26],
+                                "autotune_s": [0.21, 0.30, 0.19],
+                                "autotune_picks": ["topk"] * 3}
+    assert tuned["vs_best_rematch"] == pytest.approx(0.21 / 0.22)
+    assert all("rematch" not in r for r in rows[:-1])
+
+
 @needs_root
 @pytest.mark.slow
 def test_tiny_end_to_end_run(tmp_path):
@@ -199,13 +223,14 @@ def test_tiny_end_to_end_run(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "tf_gradsync.bench", "cluster", "--cluster_workers=2",
          "--rate=1gbit", "--params=100000", "--steps=3", "--compressors=fp16,autotune",
-         f"--json={out}"],
+         "--rematch=1", f"--json={out}"],
         env=env, capture_output=True, text=True, timeout=360)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "CPU cores shared by 2 workers" in proc.stderr
     rows = json.loads(out.read_text())
     assert [r["mode"] for r in rows] == ["compute-only", "stock MWMS", "fp16", "autotune: fp16"]
-    assert all(set(cluster.COLUMNS) - {"stats_bytes", "wire_vs_stats"} <= set(r) for r in rows[1:])
+    optional = {"stats_bytes", "wire_vs_stats", "vs_best_rematch"}
+    assert all(set(cluster.COLUMNS) - optional <= set(r) for r in rows[1:])
     params = rows[0]["params"]
     assert params == 316 * 316 + 316
     compute, stock, fp16, tuned = rows
@@ -217,6 +242,13 @@ def test_tiny_end_to_end_run(tmp_path):
     assert tuned["stats_bytes"] == fp16["stats_bytes"] and tuned["exchange"] == "all-reduce"
     assert tuned["vs_best"] == pytest.approx(tuned["step_s"] / fp16["step_s"])
     assert fp16["vs_best"] == 1.0 and tuned["pick"] == ""
+    # The rematch: fp16 (the fastest compressor row) and autotune, one more job each.
+    rematch = tuned["rematch"]
+    assert rematch["best"] == "fp16" and rematch["autotune_picks"] == ["fp16"]
+    assert len(rematch["best_s"]) == len(rematch["autotune_s"]) == 1
+    assert tuned["vs_best_rematch"] == pytest.approx(
+        rematch["autotune_s"][0] / rematch["best_s"][0])
+    assert "vs_best_rematch" not in fp16
     rows = rows[:3]
     # Ring arithmetic for 2 workers, 2(N-1)/N = 1: each sends one payload per step.
     assert stock["ring_bound"] == 4 * params
