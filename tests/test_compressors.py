@@ -87,6 +87,30 @@ def test_combine_is_the_sum_of_the_decodes(name, replicas):
     np.testing.assert_allclose(got.numpy(), want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
 
 
+BATCHED = [n for n in C.names() if C.get(n).batched_decode]
+
+
+@pytest.mark.parametrize("shapes", [SHAPES, ((3000,),)], ids=["several", "one"])
+@pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: d.name)
+@pytest.mark.parametrize("name", BATCHED)
+def test_batched_decode_is_each_rows_decode_bit_for_bit(name, dtype, shapes):
+    """Payloads stacked along a leading axis decode row by row as each alone would,
+    and combine sums them as a reduction over the stacked decodes would: the same sum
+    on every replica."""
+    c, layout = C.get(name).codec(), C.Layout(shapes)
+    payloads = []
+    for r in range(4):
+        x = tf.cast(rand(layout.numel, seed=r), dtype)
+        payload, meta = c.compress(x, context(make_state(c, layout), layout=layout, replica=r))
+        payloads.append(tuple(payload))
+    rows = c.decompress(tuple(tf.stack(ts) for ts in zip(*payloads)), meta)
+    alone = tf.stack([c.decompress(p, meta) for p in payloads])
+    assert rows.dtype == alone.dtype == dtype and rows.shape == (4, layout.numel)
+    np.testing.assert_array_equal(rows.numpy(), alone.numpy())
+    np.testing.assert_array_equal(c.combine(payloads, meta).numpy(),
+                                  tf.reduce_sum(alone, 0).numpy())
+
+
 def test_sparse_decodes_match_numpy():
     """`place` puts distinct indices' values into zeros; `sum_sparse` adds parts whose
     indices repeat across them."""

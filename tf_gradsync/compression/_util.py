@@ -97,7 +97,8 @@ def unpack(packed: tf.Tensor, bits: int, n: int, values=None, dtype: tf.DType = 
     shifting and masking a widened copy of the bucket once per code.
 
     Args:
-      packed: uint8 bytes from `pack`.
+      packed: uint8 bytes from `pack` (leading axes, e.g. one per replica, are kept:
+        `[..., bytes]` gives `[..., n]`).
       bits: bits per code.
       n: codes to return.
       values: optional, what each code in [0, 2**bits) stands for.
@@ -109,8 +110,8 @@ def unpack(packed: tf.Tensor, bits: int, n: int, values=None, dtype: tf.DType = 
     if values is not None:
         table = np.asarray(values)[table]
     looked = tf.gather(tf.constant(table, dtype), tf.cast(packed, tf.int32))
-    flat = tf.reshape(looked, [-1])
-    return flat if numel(flat) == n else flat[:n]
+    flat = tf.reshape(looked, [*packed.shape[:-1], -1])
+    return flat if flat.shape[-1] == n else flat[..., :n]
 
 
 def scatter(values: tf.Tensor, indices: tf.Tensor, n: int, dtype: tf.DType) -> tf.Tensor:
@@ -397,20 +398,25 @@ class Segments:
         """`fn(v, expand(per_segment))` for an elementwise binary `fn` (multiply,
         divide), without writing the expansion out where segments are runs of equal
         size: there `fn` broadcasts each segment's value over a row of the reshaped
-        bucket, one pass instead of two."""
+        bucket, one pass instead of two.
+
+        `v` may have leading axes (`[..., numel]`, e.g. several replicas' decodes),
+        `per_segment` the same ones before its segment axis (`[..., count, ...]`)."""
+        lead = v.shape[:-1]
         if self.count == 1:
             return fn(v, per_segment)
-        out = []
+        out, axis = [], len(lead)
         for piece in self._pieces:
-            part = v if len(self._pieces) == 1 else v[piece.start:piece.stop]
-            values = per_segment if len(self._pieces) == 1 else \
-                per_segment[piece.first:piece.first + piece.count]
+            part = v if len(self._pieces) == 1 else v[..., piece.start:piece.stop]
+            values = per_segment if len(self._pieces) == 1 else per_segment[
+                (slice(None),) * axis + (slice(piece.first, piece.first + piece.count),)]
             if piece.ids is None:
-                rows = fn(tf.reshape(part, [piece.count, -1]), values[:, None])
-                out.append(tf.reshape(rows, [-1]))
+                rows = fn(tf.reshape(part, [*lead, piece.count, -1]),
+                          tf.expand_dims(values, axis + 1))
+                out.append(tf.reshape(rows, [*lead, -1]))
             else:
-                out.append(fn(part, tf.gather(values, tf.constant(piece.ids))))
-        return out[0] if len(out) == 1 else tf.concat(out, 0)
+                out.append(fn(part, tf.gather(values, tf.constant(piece.ids), axis=axis)))
+        return out[0] if len(out) == 1 else tf.concat(out, -1)
 
     def expand(self, per_segment: tf.Tensor) -> tf.Tensor:
         """Each segment's value repeated over its elements ([1] for one segment, which

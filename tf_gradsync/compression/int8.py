@@ -34,6 +34,7 @@ class Int8(Compressor):
     accuracy = "balanced"
 
     summable = False
+    batched_decode = True
     unbiased = False
 
     def compress(self, x: tf.Tensor, ctx: Context):

@@ -49,6 +49,7 @@ class OneBit(Compressor):
     accuracy = "balanced"
 
     summable = False
+    batched_decode = True
     unbiased = False
 
     def __init__(self, block: int | None = 32):
@@ -83,7 +84,7 @@ class OneBit(Compressor):
         bit = _util.unpack(packed, 1, seg.numel, values=(False, True), dtype=tf.bool)
         # One select that broadcasts each block's two magnitudes over its row, instead
         # of writing both expansions out first.
-        sides = tf.stack([tf.cast(hi, wd), -tf.cast(lo, wd)], 1)
+        sides = tf.stack([tf.cast(hi, wd), -tf.cast(lo, wd)], -1)
         return tf.cast(seg.apply(lambda b, s: tf.where(b, s[..., 0], s[..., 1]), bit, sides),
                        dtype)
 

@@ -48,6 +48,7 @@ class QSGD(Compressor):
     accuracy = "balanced"
 
     summable = False
+    batched_decode = True
     unbiased = True
 
     def __init__(self, levels: int = 64, chunk: int = 512):

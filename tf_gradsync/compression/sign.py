@@ -64,6 +64,7 @@ class Sign(Compressor):
     accuracy = "balanced"
 
     summable = False
+    batched_decode = True
     unbiased = False
 
     def __init__(self, block: int | None = 16, scale: str = "l2"):
