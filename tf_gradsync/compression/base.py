@@ -360,8 +360,9 @@ class Compressor(abc.ABC):
         # differently on each device (the local part may have another consumer), which
         # changes the summation order and lets replicas drift apart by a rounding error.
         if self.batched_decode:
-            # The payloads are stacked (small), not their decodes: 4 one-bit payloads
-            # of 25M entries summed in 143-160 ms instead of 200 on one core.
+            # The payloads are stacked (a quarter to a 32nd of the decodes' bytes), not
+            # the decodes: 4 sign payloads of 25M entries summed in 133-152 ms instead
+            # of 166-192, int8 in 89-92 instead of 101-114 (one core).
             return tf.reduce_sum(self.decompress(
                 tuple(tf.stack(ts) for ts in zip(*received)), meta), 0)
         return tf.reduce_sum(tf.stack([self.decompress(p, meta) for p in received]), 0)
