@@ -136,6 +136,32 @@ def test_every_gathered_compressor_conserves_mass_and_agrees(name):
         mass = left
 
 
+@pytest.mark.parametrize("shapes", [((64, 10),), SHAPES], ids=["alike", "mixed"])
+@pytest.mark.parametrize("name", GATHERED)
+def test_gathered_chunks_decode_as_each_chunk_alone_bit_for_bit(name, shapes, monkeypatch):
+    """The owners' chunks decode into the bucket (`decode_chunks`: the sparse ones
+    placed at once) exactly as decoding each chunk alone and concatenating them, with
+    chunks alike (a bucket that divides evenly) and not."""
+    layout, n = C.Layout(shapes), 4
+    assert (len(set(two_phase.split(layout, n).layouts)) == 1) == (shapes != SHAPES)
+    c = gs.CompressedAllReduce(name).compressor
+    xs = [tf.constant(np.random.default_rng(r).standard_normal(layout.numel), tf.float32)
+          for r in range(n)]
+
+    def result():
+        states = [make_state(c, layout, two_phase.split(layout, n, r)) for r in range(n)]
+        got = reduce(c, xs, states, shapes=shapes, two_phases=True)
+        return [r.numpy() for r in got.results]
+
+    def each_alone(self, payloads, metas, chunks):
+        return tf.concat([self.decompress(p, m) for p, m in zip(payloads, metas)], 0)
+
+    fast = result()
+    monkeypatch.setattr(type(c.server_codec()), "decode_chunks", each_alone)
+    for got, want in zip(fast, result()):
+        np.testing.assert_array_equal(got, want)
+
+
 @pytest.mark.parametrize("name", ["int8", "sign", "topk", "qsgd", "terngrad", "onebit"])
 @pytest.mark.parametrize("n", [2, 4, 8])
 def test_bytes_are_n_minus_one_over_n_of_a_payload_per_phase(name, n):

@@ -367,6 +367,14 @@ class Compressor(abc.ABC):
                 tuple(tf.stack(ts) for ts in zip(*received)), meta), 0)
         return tf.reduce_sum(tf.stack([self.decompress(p, meta) for p in received]), 0)
 
+    def decode_chunks(self, payloads: Sequence[Payload], metas: Sequence[Any], chunks
+                      ) -> tf.Tensor:
+        """The flat bucket from one payload per chunk (what a two-phase exchange
+        gathers), `metas` and `chunks` (`two_phase.Chunks`) saying how each was cut:
+        each chunk decoded, the decodes concatenated (by default)."""
+        del chunks
+        return tf.concat([self.decompress(p, m) for p, m in zip(payloads, metas)], 0)
+
     def observe(self, reduced: tf.Tensor, ctx: Context) -> None:
         """Sees this step's reduced bucket (a no-op by default).
 

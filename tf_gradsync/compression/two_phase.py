@@ -161,10 +161,11 @@ def rounds(compressor: Compressor, x: tf.Tensor, ctx: Context) -> Rounds:
         likes.append(_specs(payload))
         server_metas.append(m)
     gathered = yield Message(reduced, GATHER, like=tuple(likes))
-    outs = [codec.decompress(p, m) for p, m in zip(gathered, server_metas)]
-    for j, out in enumerate(outs):
-        compressor.observe(out, chunk_context(ctx, j))
-    return tf.concat([tf.cast(o, x.dtype) for o in outs], 0)
+    result = codec.decode_chunks(gathered, server_metas, chunks)
+    for j in range(chunks.count):
+        lo, hi = chunks.bounds(j)
+        compressor.observe(result[lo:hi], chunk_context(ctx, j))
+    return tf.cast(result, x.dtype)
 
 
 def _server_context(ctx: Context, j: int) -> Context:
