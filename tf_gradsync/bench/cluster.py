@@ -142,7 +142,7 @@ def measure(n: int, rate: str, modes: Sequence[str], params: int, steps: int,
                    "params": ranks[0]["params"], "cores": f"{cores}/{n}", "load": load,
                    "model": model, "items_per_s": sum(r["items_per_s"] for r in ranks) / n,
                    "unit": ranks[0]["unit"], "exchange": None,
-                   "step_s": sum(r["median_s"] for r in ranks) / n,
+                   "step_s": _step_s(ranks),
                    "wire_bytes": round(sum(r["tx_bytes_per_step"] for r in ranks) / n)}
             dense = 4 * ranks[0]["dense_params"]
             if mode == "stock":
@@ -207,15 +207,20 @@ def rematch_jobs(rows: list[dict], times: int, job, autotune_extra: Sequence[str
     best = min(rows[2:-1], key=lambda r: r["step_s"])["mode"]
     found: dict[str, list] = {"best_s": [], "autotune_s": [], "autotune_picks": []}
     for _ in range(times):
-        for mode, key in ((best, "best_s"), (multiworker.AUTOTUNE, "autotune_s")):
-            ranks = job(mode, autotune_extra if key == "autotune_s" else [])
-            found[key].append(sum(r["median_s"] for r in ranks) / len(ranks))
-            if key == "autotune_s":
-                found["autotune_picks"].append(ranks[0]["decision"]["compressor"])
+        for mode, key, extra in ((best, "best_s", ()),
+                                 (multiworker.AUTOTUNE, "autotune_s", autotune_extra)):
+            ranks = job(mode, extra)
+            found[key].append(_step_s(ranks))
             _log(f"rematch, {mode}: {found[key][-1]:.3f} s/step")
+        found["autotune_picks"].append(ranks[0]["decision"]["compressor"])  # autotune's job
     rows[-1]["rematch"] = dict(best=best, **found)
     rows[-1]["vs_best_rematch"] = (statistics.median(found["autotune_s"])
                                    / statistics.median(found["best_s"]))
+
+
+def _step_s(ranks: list[dict]) -> float:
+    """A job's step: its workers' median steps, averaged."""
+    return sum(r["median_s"] for r in ranks) / len(ranks)
 
 
 def breakdown(rows: list[dict], bytes_per_s: float) -> None:
