@@ -7,6 +7,7 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -216,6 +217,23 @@ def test_rematch_runs_the_fastest_row_and_autotune_alternately_and_compares_medi
 
 @needs_root
 @pytest.mark.slow
+def test_one_core_pins_every_thread_then_gives_the_cores_back():
+    from tf_gradsync.bench import multiworker  # pylint: disable=import-outside-toplevel
+    allowed = os.sched_getaffinity(0)
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait)
+    other.start()
+    try:
+        with multiworker._one_core():  # pylint: disable=protected-access
+            tasks = [int(t) for t in os.listdir("/proc/self/task")]
+            assert other.native_id in tasks
+            assert all(os.sched_getaffinity(t) == {min(allowed)} for t in tasks)
+        assert all(os.sched_getaffinity(t) == allowed for t in tasks)
+    finally:
+        stop.set()
+        other.join()
+
+
 def test_tiny_end_to_end_run(tmp_path):
     before = names()
     out = tmp_path / "rows.json"
@@ -279,6 +297,14 @@ def test_tiny_end_to_end_run(tmp_path):
     again[0]["cores"] = "1/2"
     cluster.predict(again, compute["probes"], compute["specs"], 2)
     assert again[2]["codec_s"] == pytest.approx(2 * fp16["codec_s"])
+    # The rates priced are those each worker timed on one core.
+    assert all(p["throughput_one_core"].keys() == p["throughput"].keys()
+               for p in compute["probes"])
+    for p in compute["probes"]:
+        p["throughput_one_core"] = {m: 2 * v for m, v in p["throughput_one_core"].items()}
+    again[0]["cores"] = "2/2"
+    cluster.predict(again, compute["probes"], compute["specs"], 2)
+    assert again[2]["codec_s"] == pytest.approx(fp16["codec_s"] / 2)
     # Where each step goes: the parts add up to the step; the wire at the link's rate.
     for row in rows:
         parts = row["compute_s"] + row["codec_s"] + row["wire_s"] + row["waiting_s"]

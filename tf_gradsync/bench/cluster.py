@@ -250,9 +250,10 @@ def predict(rows: list[dict], probes: list[dict], specs: list, n: int) -> None:
 
     Its inputs are measured in the same sitting: the link fitted to the probing
     all-reduces and all-to-all (`autotuning.fit_link`), each compressor's throughput
-    timed by each worker alone (the cores' sharing among the N workers charged as the
-    model's `cpu_share`, cores / N; probes from before the turns were timed by all at
-    once, and are taken as they are), and the compute-only row's step as compute.
+    timed by each worker alone on one core (the cores' sharing among the N workers
+    charged as the model's `cpu_share`, cores / N; older probes timed it on all of a
+    worker's threads, or by all workers at once, and are taken as they are), and the
+    compute-only row's step as compute.
     """
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
     from tf_gradsync import autotuning, costmodel  # pylint: disable=import-outside-toplevel
@@ -261,7 +262,10 @@ def predict(rows: list[dict], probes: list[dict], specs: list, n: int) -> None:
     all_to_all = ([p["all_to_all_s"] for p in probes] if "all_to_all_s" in probes[0] else None)
     link = autotuning.fit_link(probes[0]["probe_bytes"], seconds, n,
                                all_to_all and sum(all_to_all) / n)
-    rates = {m: sum(p["throughput"][m] for p in probes) / n for m in probes[0]["throughput"]}
+    # One core's rates, where the probe timed them (the workers of the runs share the
+    # cores, so none has TensorFlow's threads spread over several).
+    key = "throughput_one_core" if probes[0].get("throughput_one_core") else "throughput"
+    rates = {m: sum(p[key][m] for p in probes) / n for m in probes[0][key]}
     specs = [(tuple(shape), tf.as_dtype(dtype)) for shape, dtype in specs]
     compute = rows[0]["step_s"]
     cores = int(str(rows[0].get("cores", n)).split("/")[0])

@@ -9,6 +9,7 @@ or `--mode=probe --probe_modes=fp16,topk` for the cost model's measurements.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -43,10 +44,11 @@ def probe(modes: list[str], numel: int) -> dict:
     collectives (seconds each), an all-to-all of tiny parts as two phases run it
     (`autotuning.probe_all_to_all`), and the throughput of each mode's bucket data path
     (`plan.calibrate_throughput`) on `numel` elements, each worker in its turn while the
-    others wait: one worker's rates on cores it has to itself (`alone`), which the cost
-    model scales by the cores each worker gets in the runs (`costmodel.predict`'s
-    `cpu_share`). Timed all at once, unsynchronised, a worker's calls met the others'
-    tracing or timing by chance: the same compressor's rate moved 2-3x between sittings."""
+    others wait: one worker's rates on every core (`throughput`) and on one core
+    (`throughput_one_core`), which the cost model scales by the cores each worker gets
+    in the runs (`costmodel.predict`'s `cpu_share`). Timed all at once, unsynchronised,
+    a worker's calls met the others' tracing or timing by chance: the same compressor's
+    rate moved 2-3x between sittings."""
     import tensorflow as tf
     import tf_gradsync as gs
     from tf_gradsync import autotuning, plan
@@ -54,14 +56,37 @@ def probe(modes: list[str], numel: int) -> dict:
     strategy = gs.MultiWorkerMirroredStrategy()
     seconds = autotuning.probe_link(strategy)
     all_to_all = autotuning.probe_all_to_all(strategy, timeout=60)
-    rates = None
+    rates = one_core = None
     for turn in range(strategy.num_workers):
         _barrier(strategy)
         if turn == strategy.worker_index:
             rates = plan.calibrate_throughput(modes, numel)
+            with _one_core():
+                one_core = plan.calibrate_throughput(modes, numel)
     _barrier(strategy)
     return {"mode": "probe", "probe_bytes": list(autotuning.PROBE_BYTES), "probe_s": seconds,
-            "all_to_all_s": all_to_all, "throughput": rates, "alone": True}
+            "all_to_all_s": all_to_all, "throughput": rates, "throughput_one_core": one_core,
+            "alone": True}
+
+
+@contextlib.contextmanager
+def _one_core():
+    """Runs the block with every thread of this process on one core (the first it may
+    use), as when the workers of a run share the cores: TensorFlow's thread pools
+    otherwise spread a lone worker's ops over cores it will not have to itself."""
+    allowed = os.sched_getaffinity(0)
+
+    def pin(cpus):
+        for task in os.listdir("/proc/self/task"):
+            try:
+                os.sched_setaffinity(int(task), cpus)
+            except OSError:     # the thread has ended
+                pass
+    pin({min(allowed)})
+    try:
+        yield
+    finally:
+        pin(allowed)
 
 
 def _barrier(strategy) -> None:
