@@ -25,10 +25,11 @@ def layout_of(x: tf.Tensor, shapes=None) -> C.Layout:
 
 
 def context(state=None, seed=(1, 2), step=0, num_replicas=1, replica=0, layout=None,
-            mode=0, chunks=None) -> C.Context:
+            mode=0, chunks=None, jit_compile=False) -> C.Context:
     return C.Context(state=state or {}, step=tf.convert_to_tensor(step, tf.int64),
                      seed=tf.convert_to_tensor(seed, tf.int64), num_replicas=num_replicas,
-                     replica=replica, layout=layout, mode=mode, chunks=chunks)
+                     replica=replica, layout=layout, mode=mode, chunks=chunks,
+                     jit_compile=jit_compile)
 
 
 @dataclasses.dataclass
@@ -48,15 +49,15 @@ class Reduction:
 
 
 def reduce(c: C.Compressor, xs, states=None, *, shapes=None, step=0, seed=(1, 2),
-           mean=False, two_phases=False) -> Reduction:
+           mean=False, two_phases=False, jit_compile=False) -> Reduction:
     """One synchronisation of `xs` (one flat bucket per replica) through the driver;
     with `two_phases`, its payloads travel in two phases (states from `make_state`
-    with each replica's chunks)."""
+    with each replica's chunks); with `jit_compile`, decodings compile with XLA."""
     layout = layout_of(xs[0], shapes)
     chunks = [two_phase.split(layout, len(xs), r) if two_phases else None
               for r in range(len(xs))]
     states = states if states is not None else [make_state(c, layout, ch) for ch in chunks]
-    ctxs = [context(s, seed, step, len(xs), r, layout, chunks=ch)
+    ctxs = [context(s, seed, step, len(xs), r, layout, chunks=ch, jit_compile=jit_compile)
             for r, (s, ch) in enumerate(zip(states, chunks))]
     payloads, transports = [], []
 

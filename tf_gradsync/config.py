@@ -82,7 +82,7 @@ def check_bucket_bytes(bucket_bytes) -> None:
 
 def check_settings(*, error_feedback=None, bucket_bytes=DEFAULT_BUCKET_BYTES, algorithm="auto",
                    exchange="auto", timeout_seconds=None, warmup_steps=0,
-                   measure_error=True, guard=False) -> None:
+                   measure_error=True, guard=False, jit_compile=True) -> None:
     """The checks of every setting of a `CompressedAllReduce` but the compressor: the
     one place they live, for the constructor and for presets alike.
 
@@ -102,7 +102,8 @@ def check_settings(*, error_feedback=None, bucket_bytes=DEFAULT_BUCKET_BYTES, al
             or not 0 < timeout_seconds < math.inf):
         raise ValueError("timeout_seconds must be a positive, finite number of seconds or "
                          f"None (null in YAML), got {timeout_seconds!r}")
-    for name, value in (("measure_error", measure_error), ("guard", guard)):
+    for name, value in (("measure_error", measure_error), ("guard", guard),
+                        ("jit_compile", jit_compile)):
         if not isinstance(value, bool):
             raise ValueError(f"{name} must be True or False, got {value!r}")
 

@@ -207,7 +207,7 @@ def predict(compressor: Compressor | str, payloads: Sequence[BucketPayload], exc
 
 
 def roundtrip_fn(compressor: Compressor, layout: Layout, replicas: int = 1,
-                 measure_error: bool = False):
+                 measure_error: bool = False, jit_compile: bool = True):
     """A tf.function running one compress + decompress of a bucket laid out as `layout`
     (one replica, every round through the protocol driver, state kept between calls);
     it returns the result and the payload bytes sent.
@@ -231,7 +231,8 @@ def roundtrip_fn(compressor: Compressor, layout: Layout, replicas: int = 1,
     @tf.function
     def run(x):
         ctx = Context(state=state, step=step.read_value(), seed=tf.stack([step, 7]),
-                      layout=layout, num_replicas=replicas)
+                      layout=layout, num_replicas=replicas,
+                      jit_compile=jit_compile)
         outcome = driver.run(compressor, [x], [ctx], exchange, measure_error=measure_error)
         step.assign_add(1)
         if measure_error:     # as the stats read it, so that it is computed
@@ -264,7 +265,7 @@ def median_seconds(fn, repeats: int) -> tuple[float, object]:
 
 
 def measure_throughput(compressor: Compressor | str, numel: int, repeats: int = 5,
-                       data_path: bool = True) -> dict:
+                       data_path: bool = True, jit_compile: bool = True) -> dict:
     """Times compress + decompress of `numel` float32 elements (one weight matrix) on
     this machine's current threads: `{"seconds": median, "bytes_per_s": of input,
     "payload_bytes": sent}`.
@@ -281,8 +282,9 @@ def measure_throughput(compressor: Compressor | str, numel: int, repeats: int = 
     compressor = get(compressor)
     x = tf.random.stateless_normal([numel], (1, 2))
     layout = Layout((matrix_shape(numel),))
-    run = (roundtrip_fn(compressor, layout, replicas=2, measure_error=True) if data_path
-           else roundtrip_fn(compressor, layout))
+    run = (roundtrip_fn(compressor, layout, replicas=2, measure_error=True,
+                        jit_compile=jit_compile)
+           if data_path else roundtrip_fn(compressor, layout, jit_compile=jit_compile))
     sec, first = median_seconds(lambda: run(x), repeats)
     return {"seconds": sec, "bytes_per_s": numel * 4 / sec, "payload_bytes": int(first[1])}
 

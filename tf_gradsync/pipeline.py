@@ -47,12 +47,14 @@ class Pipeline:
       measure_error: compute each step's compression error for the stats.
       exchange: how payloads that cannot be summed travel: "gather", "two_phase" or
         "auto" (per bucket, by `algorithms.choose_exchange`).
+      jit_compile: compile the compressors' decodings with XLA (`Context.jit_compile`).
     """
 
     def __init__(self, compressor: Compressor, algorithm: str, bucket_bytes: int,
                  stats: Stats, state: SyncState, timeout: float = 0,
-                 measure_error: bool = True, exchange: str = "auto"):
+                 measure_error: bool = True, exchange: str = "auto", jit_compile: bool = True):
         self.compressor = compressor
+        self.jit_compile = jit_compile
         self.exchange = exchange
         self.measure_error = measure_error
         self.algorithm = algorithm
@@ -201,7 +203,7 @@ class Pipeline:
             chunks = two_phase.split(layout, n, group.members[r]) if two else None
             ctxs.append(Context(state=self._state_for(compressor, plan, bucket, r, d, chunks),
                                 step=step, seed=seed, num_replicas=n, replica=replica_id(d),
-                                layout=layout, chunks=chunks))
+                                layout=layout, chunks=chunks, jit_compile=self.jit_compile))
 
         def exchange(messages: Sequence[Message]):
             first, wire = messages[0], Wire()

@@ -16,6 +16,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_gradsync import _tf_compat
+from tf_gradsync.compression import xla
 
 
 def check_number(name: str, value, low: float, high: float = math.inf, *,
@@ -144,9 +145,10 @@ def sum_sparse(parts: Sequence[Sequence[tf.Tensor]], n: int, dtype: tf.DType) ->
     input order, so every replica gets the same sum. A GPU's adds with atomics in no
     fixed order: two addends of an entry sum the same either way, three or more can
     round differently on each device, so with a GPU each part is placed alone and the
-    parts summed.
+    parts summed. Compiled by XLA (`xla.tracing`), one scatter of two parts beats two
+    placements (25 against 44 ms) and places one as fast.
     """
-    if len(parts) <= 2:
+    if len(parts) == 1 or (len(parts) == 2 and not xla.tracing()):
         dense = [place(p[0], p[1], n, dtype) for p in parts]
         return dense[0] if len(dense) == 1 else dense[0] + dense[1]
     if tf.config.list_logical_devices("GPU"):
@@ -158,7 +160,10 @@ def sum_sparse(parts: Sequence[Sequence[tf.Tensor]], n: int, dtype: tf.DType) ->
 class SparseDecoding:
     """Decoding of sparse payloads `(values, int32 indices)` with distinct indices and
     meta `(bucket length, dtype)`, shared by the compressors that send them (a mixin
-    before `Compressor` in their bases)."""
+    before `Compressor` in their bases). Their selections need shapes known only at
+    run time; their decodings compile with XLA."""
+
+    xla_decode = True
 
     def decompress(self, payload: Sequence[tf.Tensor], meta) -> tf.Tensor:
         """Places the values into zeros of the bucket's length and dtype (`place`)."""

@@ -28,6 +28,8 @@ from typing import Any, Callable, ClassVar, Generator, Mapping, Sequence
 import numpy as np
 import tensorflow as tf
 
+from tf_gradsync.compression import xla
+
 Payload = tuple[tf.Tensor, ...]
 
 #: Transports of a round's payload. SUM: added elementwise on the wire (all-reduce);
@@ -118,6 +120,8 @@ class Context:
       chunks: set when this bucket is exchanged in two phases
         (`tf_gradsync.compression.two_phase`): its chunks and which one this replica
         owns; None: one round for the whole bucket.
+      jit_compile: compile the compressor's decodings with XLA where it declares
+        they compile (`Compressor.xla_decode`, `tf_gradsync.compression.xla`).
     """
 
     state: Mapping[str, tf.Variable] = dataclasses.field(default_factory=dict)
@@ -129,6 +133,7 @@ class Context:
     mode: int = 0
     errors: list | None = dataclasses.field(default=None, compare=False)
     chunks: Any = None
+    jit_compile: bool = False
 
     def layout_of(self, x: tf.Tensor) -> Layout:
         """The bucket's layout, or one flat tensor of `x`'s length when none was given."""
@@ -256,6 +261,8 @@ class Compressor(abc.ABC):
       * `batched_decode`: `decompress` also takes payloads stacked along a leading
         axis (one row per replica, the same meta) and decodes every row at once, so
         `combine` sums gathered payloads without a copy of each decode into a stack.
+      * `xla_decode`: its decodings (`decompress`, `combine`, `decode_chunks`) compile
+        with XLA into fused loops, which the pipeline asks for (`Context.jit_compile`).
       * `accuracy`: what its library defaults cost in accuracy, from the convergence
         matrix (BENCHMARKS.md): "lossless" (as uncompressed training), "balanced"
         (within about a point on every measured recipe) or "aggressive" (more on
@@ -284,6 +291,7 @@ class Compressor(abc.ABC):
     accuracy: ClassVar[str] = "aggressive"
     splittable: ClassVar[bool] = True
     batched_decode: ClassVar[bool] = False
+    xla_decode: ClassVar[bool] = False
     #: Static configurations picked at run time by `mode`.
     num_modes: int = 1
 
@@ -313,7 +321,7 @@ class Compressor(abc.ABC):
             return (yield from two_phase.rounds(self, x, ctx))
         payload, meta = self.encode(x, ctx)
         received = yield Message(payload, SUM if self.summable else GATHER)
-        reduced = self.combine(received, meta)
+        reduced = xla.decode(self, ctx, lambda r: self.combine(r, meta), received)
         self.observe(reduced, ctx)
         return reduced
 
@@ -615,6 +623,7 @@ class Wrapper(Compressor):
         self.summable = inner.summable
         self.prescale = inner.prescale
         self.floating_only = inner.floating_only
+        self.xla_decode = inner.xla_decode
 
     def check_input(self, x: tf.Tensor) -> None:
         self.inner.check_input(x)

@@ -13,7 +13,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from tf_gradsync.compression import _util
+from tf_gradsync.compression import _util, xla
 from tf_gradsync.compression.base import (Compressor, Context, Layout, Payload, StateSpec,
                                           Wrapper, get)
 
@@ -79,9 +79,12 @@ class ErrorFeedback(Wrapper):
         residual = ctx.state["residual"]
         e = tf.cast(x, residual.dtype) + residual
         payload, meta = self.inner.compress(tf.cast(e, x.dtype), self._inner_ctx(ctx))
-        local = tf.cast(self.inner.decompress(payload, meta), residual.dtype)
-        ctx.keep_residual(residual, e, e - local)
-        return tuple(payload), meta
+        payload = tuple(payload)
+
+        def rest(sent) -> tf.Tensor:
+            return e - tf.cast(self.inner.decompress(sent, meta), residual.dtype)
+        ctx.keep_residual(residual, e, xla.decode(self, ctx, rest, payload))
+        return payload, meta
 
     def observe(self, reduced: tf.Tensor, ctx: Context) -> None:
         self.inner.observe(reduced, self._inner_ctx(ctx))

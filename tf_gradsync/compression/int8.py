@@ -35,6 +35,7 @@ class Int8(Compressor):
 
     summable = False
     batched_decode = True
+    xla_decode = True
     unbiased = False
 
     def compress(self, x: tf.Tensor, ctx: Context):

@@ -49,6 +49,7 @@ class QSGD(Compressor):
 
     summable = False
     batched_decode = True
+    xla_decode = True
     unbiased = True
 
     def __init__(self, levels: int = 64, chunk: int = 512):

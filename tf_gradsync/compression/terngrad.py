@@ -63,6 +63,7 @@ class TernGrad(Compressor):
 
     summable = False
     batched_decode = True
+    xla_decode = True
     default_error_feedback = False
 
     def __init__(self, clip: float | None = 2.5, rms_clip: float | None = 1.0):

@@ -27,7 +27,7 @@ from typing import Sequence
 
 import tensorflow as tf
 
-from tf_gradsync.compression import _util
+from tf_gradsync.compression import _util, xla
 from tf_gradsync.compression.base import (GATHER, SCATTER, Compressor, Context, Layout, Message,
                                           Rounds, StateSpec, nbytes)
 
@@ -141,12 +141,15 @@ def rounds(compressor: Compressor, x: tf.Tensor, ctx: Context) -> Rounds:
     # keep what that loses for the next step.
     me = chunks.member
     residual = ctx.state[SERVER]
-    total = tf.cast(compressor.combine(received, metas[me]), residual.dtype) + residual
+    summed = xla.decode(compressor, ctx, lambda r: compressor.combine(r, metas[me]), received)
+    total = tf.cast(summed, residual.dtype) + residual
     server = _server_context(ctx, me)   # records no error: not the replicas' compression
     reduced, meta = codec.compress(tf.cast(total, x.dtype), server)
     reduced = tuple(reduced)
-    server.keep_residual(
-        residual, total, total - tf.cast(codec.decompress(reduced, meta), residual.dtype))
+
+    def rest(sent) -> tf.Tensor:
+        return total - tf.cast(codec.decompress(sent, meta), residual.dtype)
+    server.keep_residual(residual, total, xla.decode(codec, ctx, rest, reduced))
 
     # What every other owner sends is decoded with the meta the codec gives its chunk;
     # compressing zeros only to learn it and the payload's shapes adds no work to a
@@ -161,7 +164,8 @@ def rounds(compressor: Compressor, x: tf.Tensor, ctx: Context) -> Rounds:
         likes.append(_specs(payload))
         server_metas.append(m)
     gathered = yield Message(reduced, GATHER, like=tuple(likes))
-    result = codec.decode_chunks(gathered, server_metas, chunks)
+    result = xla.decode(codec, ctx, lambda g: codec.decode_chunks(g, server_metas, chunks),
+                        gathered)
     for j in range(chunks.count):
         lo, hi = chunks.bounds(j)
         compressor.observe(result[lo:hi], chunk_context(ctx, j))
