@@ -5,8 +5,8 @@ from __future__ import annotations
 
 def ops_from_spec(spec: str, **ops_kwargs):
     """Builds a `CompressedAllReduce` from `name` or `name:key=value:...` (values parsed as
-    YAML); the keys `error_feedback`, `warmup_steps`, `exchange`, `guard` and `bucket_bytes` go to
-    `CompressedAllReduce`, the others to the compressor (e.g. `powersgd:rank=8:start_iter=0`,
+    YAML); the keys `error_feedback`, `warmup_steps`, `exchange`, `guard`, `bucket_bytes` and
+    `jit_compile` go to `CompressedAllReduce`, the others to the compressor (e.g. `powersgd:rank=8:start_iter=0`,
     `sign:exchange=two_phase`).
 
     Args:
@@ -33,7 +33,7 @@ def ops_from_spec(spec: str, **ops_kwargs):
         kwargs[key] = yaml.safe_load(value)
     # PowerSGD's own error_feedback argument belongs to the compressor.
     error_feedback = kwargs.pop("error_feedback", None) if name != "powersgd" else None
-    for key in ("warmup_steps", "exchange", "guard", "bucket_bytes"):
+    for key in ("warmup_steps", "exchange", "guard", "bucket_bytes", "jit_compile"):
         if key in kwargs:
             ops_kwargs[key] = kwargs.pop(key)
     return gs.CompressedAllReduce(gs.compression.get(name, **kwargs),
