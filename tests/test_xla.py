@@ -124,3 +124,20 @@ def test_sparse_sums_take_one_scatter_when_compiled():
 def test_jit_compile_must_be_a_bool():
     with pytest.raises(ValueError, match="jit_compile must be True or False, got 'yes'"):
         gs.CompressedAllReduce("sign", jit_compile="yes")
+
+
+@pytest.mark.parametrize("bits,values", [(1, None), (1, (-1.0, 1.0)), (2, (0.0, 1.0, -1.0, 0.0)),
+                                         (4, None)])
+def test_unpacking_compiled_gives_the_tables_codes(bits, values):
+    """Under XLA codes are shifted out of their bytes instead of looked up in a table:
+    the same codes (or values), leading axes kept, the tail cut to n."""
+    rng = np.random.default_rng(4)
+    n = 8 * 37 // bits - 3
+    codes = rng.integers(0, 1 << bits, (3, n))
+    packed = tf.stack([_util.pack(tf.constant(c), bits) for c in codes])
+    dtype = tf.int32 if values is None else tf.float32
+    want = _util.unpack(packed, bits, n, values, dtype).numpy()
+    got = tf.function(lambda p: xla.call(lambda q: _util.unpack(q, bits, n, values, dtype), p)
+                      )(packed).numpy()
+    np.testing.assert_array_equal(want, codes if values is None else np.asarray(values)[codes])
+    np.testing.assert_array_equal(got, want)
