@@ -14,7 +14,7 @@ from tf_gradsync import compression as C
 from tf_gradsync.compression import _util, driver, two_phase, xla
 from _compress import make_state, reduce
 
-SHAPES = ((3, 3, 2, 4), (4,), (50, 10), (10,), ())
+SHAPES = ((3, 3, 2, 4), (4,), (0, 5), (50, 10), (10,), ())
 LAYOUT = C.Layout(SHAPES)
 #: Every compressor as `CompressedAllReduce` builds it by default (error feedback
 #: where it applies) whose decodings compile.
@@ -24,6 +24,7 @@ COMPILED = [n for n in C.names() if gs.CompressedAllReduce(n).compressor.xla_dec
 def test_the_compressors_that_compile_are_the_expected_ones():
     assert set(COMPILED) == {"dgc", "int8", "onebit", "qsgd", "sign", "terngrad", "threshold",
                              "topk"}
+    assert {n for n in C.names() if C.get(n).xla_compress} == {"int8", "onebit", "sign"}
 
 
 def _states(c, n, two):
@@ -43,7 +44,7 @@ def test_compiled_decodings_reduce_as_tensorflows_ops(name, exchange):
     rng = np.random.default_rng(3)
     for step in range(3):
         xs = [tf.constant(x, tf.float32) for x in rng.standard_normal((n, LAYOUT.numel))
-              * np.repeat([1, 1e-3, 1e3, 1e-2, 5], LAYOUT.sizes)]
+              * np.repeat([1, 1e-3, 1, 1e3, 1e-2, 5], LAYOUT.sizes)]
         want = reduce(c, xs, plain, shapes=SHAPES, step=step, two_phases=two)
         got = reduce(c, xs, compiled, shapes=SHAPES, step=step, two_phases=two,
                      jit_compile=True)
@@ -68,9 +69,9 @@ def _compiled_functions(graph) -> int:
 
 @pytest.mark.parametrize("jit_compile", [True, False])
 def test_decodings_are_compiled_only_when_asked(jit_compile):
-    """The traced step of a gathered sign bucket calls XLA-compiled functions for its
-    decodings (the error feedback's own decode and the sum of the gathered payloads),
-    and none with `jit_compile=False`."""
+    """The traced step of a gathered sign bucket calls XLA-compiled functions for each
+    replica's compress, the error feedback's new residual and the sum of the gathered
+    payloads, and none with `jit_compile=False`."""
     c = gs.CompressedAllReduce("sign").compressor
     states = _states(c, 2, False)
     xs = [tf.random.stateless_normal([LAYOUT.numel], (r, 1)) for r in range(2)]
@@ -82,7 +83,7 @@ def test_decodings_are_compiled_only_when_asked(jit_compile):
         return driver.run(c, xs, ctxs, driver.local_exchange).results
 
     graph = step.get_concrete_function(xs).graph
-    assert _compiled_functions(graph) == (4 if jit_compile else 0)
+    assert _compiled_functions(graph) == (6 if jit_compile else 0)
 
 
 def test_pipeline_compiles_by_default_and_not_when_told(devices):

@@ -262,7 +262,8 @@ class Compressor(abc.ABC):
         axis (one row per replica, the same meta) and decodes every row at once, so
         `combine` sums gathered payloads without a copy of each decode into a stack.
       * `xla_decode`: its decodings (`decompress`, `combine`, `decode_chunks`) compile
-        with XLA into fused loops, which the pipeline asks for (`Context.jit_compile`).
+        with XLA into fused loops, which the pipeline asks for (`Context.jit_compile`);
+        `xla_compress`: its `compress` does (its meta holds no tensors).
       * `accuracy`: what its library defaults cost in accuracy, from the convergence
         matrix (BENCHMARKS.md): "lossless" (as uncompressed training), "balanced"
         (within about a point on every measured recipe) or "aggressive" (more on
@@ -292,6 +293,7 @@ class Compressor(abc.ABC):
     splittable: ClassVar[bool] = True
     batched_decode: ClassVar[bool] = False
     xla_decode: ClassVar[bool] = False
+    xla_compress: ClassVar[bool] = False
     #: Static configurations picked at run time by `mode`.
     num_modes: int = 1
 
@@ -331,7 +333,7 @@ class Compressor(abc.ABC):
         `ErrorFeedback` overrides it to compress x plus its residual.
         """
         recorded = len(ctx.errors) if ctx.errors is not None else 0
-        payload, meta = self.compress(x, ctx)
+        payload, meta = xla.compress(self, x, ctx)
         payload = tuple(payload)
         # `compress` may record the error of what it really compressed (DGC: its
         # accumulated velocity); otherwise x against what the payload decodes to.
@@ -623,7 +625,7 @@ class Wrapper(Compressor):
         self.summable = inner.summable
         self.prescale = inner.prescale
         self.floating_only = inner.floating_only
-        self.xla_decode = inner.xla_decode
+        self.xla_decode, self.xla_compress = inner.xla_decode, inner.xla_compress
 
     def check_input(self, x: tf.Tensor) -> None:
         self.inner.check_input(x)

@@ -78,7 +78,7 @@ class ErrorFeedback(Wrapper):
         """Compresses x + residual with the inner codec; stores the new residual."""
         residual = ctx.state["residual"]
         e = tf.cast(x, residual.dtype) + residual
-        payload, meta = self.inner.compress(tf.cast(e, x.dtype), self._inner_ctx(ctx))
+        payload, meta = xla.compress(self.inner, tf.cast(e, x.dtype), self._inner_ctx(ctx))
         payload = tuple(payload)
 
         def rest(sent) -> tf.Tensor:

@@ -35,7 +35,7 @@ class Int8(Compressor):
 
     summable = False
     batched_decode = True
-    xla_decode = True
+    xla_decode = xla_compress = True
     unbiased = False
 
     def compress(self, x: tf.Tensor, ctx: Context):

@@ -50,7 +50,7 @@ class OneBit(Compressor):
 
     summable = False
     batched_decode = True
-    xla_decode = True
+    xla_decode = xla_compress = True
     unbiased = False
 
     def __init__(self, block: int | None = 32):

@@ -65,7 +65,7 @@ class Sign(Compressor):
 
     summable = False
     batched_decode = True
-    xla_decode = True
+    xla_decode = xla_compress = True
     unbiased = False
 
     def __init__(self, block: int | None = 16, scale: str = "l2"):

@@ -144,7 +144,7 @@ def rounds(compressor: Compressor, x: tf.Tensor, ctx: Context) -> Rounds:
     summed = xla.decode(compressor, ctx, lambda r: compressor.combine(r, metas[me]), received)
     total = tf.cast(summed, residual.dtype) + residual
     server = _server_context(ctx, me)   # records no error: not the replicas' compression
-    reduced, meta = codec.compress(tf.cast(total, x.dtype), server)
+    reduced, meta = xla.compress(codec, tf.cast(total, x.dtype), server)
     reduced = tuple(reduced)
 
     def rest(sent) -> tf.Tensor:
