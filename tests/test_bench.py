@@ -269,3 +269,12 @@ def test_accuracy_seeds(devices):
     both = accuracy.compare(["none"], devices, 1, 0.0, recipes=["sgd"], seeds=(0, 1))[0]
     assert both["seed_accuracies"] == [r["accuracy"] for r in one]
     assert both["accuracy"] == pytest.approx(np.mean(both["seed_accuracies"]))
+
+
+@pytest.mark.parametrize("name", ["sign", "topk", "fp16"])
+def test_micro_times_codecs_compiled_and_not_on_the_same_payload(name):
+    from tf_gradsync.bench import micro
+    rows = [micro.measure(name, 1 << 14, 1, jit) for jit in (True, False)]
+    assert [r["jit_compile"] for r in rows] == [True, False]
+    assert rows[0]["payload_bytes"] == rows[1]["payload_bytes"] > 0
+    assert all(r["gb_per_s"] > 0 and r["ratio"] == (1 << 16) / r["payload_bytes"] for r in rows)

@@ -90,7 +90,10 @@ class Sign(Compressor):
             scale = tf.sqrt(seg.sum_of_squares(v) / seg.sizes_as(wd))
         else:
             scale = seg.mean(tf.abs(v))
-        scale = tf.cast(scale + _util.poison(x, wd), _util.scale_dtype(x.dtype))
+        # A block's sum of squares is not finite when one of its entries is not (or, past
+        # 1e19 in float32, overflows, which the poison then treats alike): checking the
+        # scales reads a sixteenth of the entries.
+        scale = tf.cast(scale + _util.poison(scale, wd), _util.scale_dtype(x.dtype))
         return (_util.pack(v >= 0, 1), scale), (seg, x.dtype)
 
     def decompress(self, payload: Sequence[tf.Tensor], meta) -> tf.Tensor:
