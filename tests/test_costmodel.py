@@ -131,6 +131,20 @@ def test_gathered_payloads_are_cheaper_in_two_phases_at_scale():
     assert two.wire_s < gather.wire_s
 
 
+@pytest.mark.parametrize("name,compiles", [("sign", True), ("topk", True), ("adaptive", False)])
+def test_a_gather_prices_each_further_payload_by_how_decodings_run(name, compiles):
+    """Gathered, N payloads cost a round trip plus N-1 decodes: `DECODE_SHARE` of it each
+    as TensorFlow's ops, `DECODE_SHARE_COMPILED` where the decodings compile."""
+    payloads = costmodel.model_payloads(name, [((500, 400), tf.float32)], 1 << 20, 8)
+    dense = sum(b.dense_bytes for b in payloads)
+    for jit_compile in (True, False):
+        p = costmodel.predict(name, payloads, "gather", 8, Link(), 0.0, throughput=1e9,
+                              jit_compile=jit_compile)
+        share = (costmodel.DECODE_SHARE_COMPILED if jit_compile and compiles
+                 else costmodel.DECODE_SHARE)
+        assert p.codec_s == pytest.approx(dense / 1e9 * (1 + 7 * share))
+
+
 def test_predict_refuses_an_exchange_the_payload_cannot_take():
     payloads = costmodel.model_payloads("topk", SPECS, 4096, 2)
     with pytest.raises(ValueError, match="topk cannot travel in 'ring'; valid: gather, two_phase"):

@@ -47,6 +47,13 @@ DEFAULT_THROUGHPUT = 1e9
 #: Share of a compress + decompress spent decoding one payload (decoding is assumed to
 #: cost as much as encoding); an all-gather decodes N payloads.
 DECODE_SHARE = 0.5
+#: The share of each further gathered payload when the compressor's decodings compile
+#: (`Compressor.xla_decode`; `CompressedAllReduce(jit_compile=True)`, the default): XLA
+#: sums the payloads in the loop that writes the bucket. Measured per extra payload over
+#: 1, 2, 4 and 8 payloads of 25M entries, one core, in round trips: sign 0.02-0.05, int8
+#: 0.01-0.03, top-k 0-0.02, threshold 0.01-0.07, DGC 0-0.01, TernGrad 0.03-0.04, QSGD
+#: 0.04-0.10, onebit 0-0.14 (BENCHMARKS.md, "Compiled codecs").
+DECODE_SHARE_COMPILED = 0.05
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,7 +149,7 @@ def exchanges_for(compressor: Compressor | str, local: int = 1) -> tuple[str, ..
 def predict(compressor: Compressor | str, payloads: Sequence[BucketPayload], exchange: str,
             workers: int, link: Link, compute_s: float, throughput: float | None = None,
             overlap: float = 0.0, cpu_share: float = 1.0, local: int = 1,
-            local_link: Link | None = None) -> Prediction:
+            local_link: Link | None = None, jit_compile: bool = True) -> Prediction:
     """Predicted step of one compressor and exchange.
 
     step = compute + max(last bucket's exchange, codec + wire - overlap * compute):
@@ -166,6 +173,9 @@ def predict(compressor: Compressor | str, payloads: Sequence[BucketPayload], exc
         one core); codec time scales by its inverse when below 1.
       local: devices per worker ("hierarchical").
       local_link: between a worker's devices.
+      jit_compile: whether the ops compile their decodings (`CompressedAllReduce`'s
+        setting): a gather's further payloads then cost `DECODE_SHARE_COMPILED` of a
+        round trip each where the compressor's decodings compile, else `DECODE_SHARE`.
 
     Raises:
       ValueError: for an exchange the compressor's payloads cannot travel in, or an
@@ -197,7 +207,8 @@ def predict(compressor: Compressor | str, payloads: Sequence[BucketPayload], exc
             reduce = exchange if exchange in ALL_REDUCES else "ring"
             kind_bytes = [("gather" if t == GATHER else reduce, p, None) for t, p in b.rounds]
             gathered = any(t == GATHER for t, _ in b.rounds)
-            work = roundtrip * (1 + (n - 1) * DECODE_SHARE if gathered else 1)
+            share = DECODE_SHARE_COMPILED if jit_compile and c.xla_decode else DECODE_SHARE
+            work = roundtrip * (1 + (n - 1) * share if gathered else 1)
         w = sum(exchange_seconds(k, n, p, link, s, local, local_link) for k, p, s in kind_bytes)
         sent += sum(bytes_sent(k, n, p, s) for k, p, s in kind_bytes)
         work /= min(cpu_share, 1.0)
@@ -288,6 +299,6 @@ def measure_throughput(compressor: Compressor | str, numel: int, repeats: int = 
     sec, first = median_seconds(lambda: run(x), repeats)
     return {"seconds": sec, "bytes_per_s": numel * 4 / sec, "payload_bytes": int(first[1])}
 
-__all__ = ["BucketPayload", "DECODE_SHARE", "DEFAULT_THROUGHPUT", "Prediction", "STEADY_STEP",
+__all__ = ["BucketPayload", "DECODE_SHARE", "DECODE_SHARE_COMPILED", "DEFAULT_THROUGHPUT", "Prediction", "STEADY_STEP",
            "THROUGHPUT", "bucket_rounds", "exchanges_for", "matrix_shape", "measure_throughput",
            "median_seconds", "model_payloads", "predict", "roundtrip_fn"]

@@ -140,6 +140,10 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
         return self._exchange
 
     @property
+    def jit_compile(self) -> bool:
+        return self._pipeline.jit_compile
+
+    @property
     def bucket_bytes(self) -> int:
         return self._bucket_bytes
 

@@ -146,8 +146,12 @@ def calibrate_throughput(specs: Sequence[str], numel: int = CALIBRATE_NUMEL) -> 
     threads, per compressor spec, as `CompressedAllReduce` builds it."""
     from tf_gradsync import costmodel  # pylint: disable=import-outside-toplevel
     from tf_gradsync.bench import ops_from_spec  # pylint: disable=import-outside-toplevel
-    return {s: costmodel.measure_throughput(ops_from_spec(s).compressor, numel, 3)["bytes_per_s"]
-            for s in specs}
+    rates = {}
+    for s in specs:
+        ops = ops_from_spec(s)
+        rates[s] = costmodel.measure_throughput(ops.compressor, numel, 3,
+                                                jit_compile=ops.jit_compile)["bytes_per_s"]
+    return rates
 
 
 def plan(specs, compressors: Sequence[str], workers: Sequence[int], bandwidths: Sequence[str],
@@ -176,10 +180,10 @@ def plan(specs, compressors: Sequence[str], workers: Sequence[int], bandwidths: 
     from tf_gradsync.algorithms.cost import Link, parse_bandwidth  # pylint: disable=import-outside-toplevel
     from tf_gradsync.bench import ops_from_spec  # pylint: disable=import-outside-toplevel
     links = [(b, Link(latency_s, parse_bandwidth(b))) for b in bandwidths]
-    built = {}
+    built, jit = {}, {}
     for spec in dict.fromkeys(["none", *compressors]):
         ops = ops_from_spec(spec)
-        built[spec] = ops.compressor
+        built[spec], jit[spec] = ops.compressor, ops.jit_compile
     rows = []
     for n in workers:
         payloads = {s: costmodel.model_payloads(c, specs, bucket_bytes, n) for s, c in built.items()}
@@ -188,7 +192,8 @@ def plan(specs, compressors: Sequence[str], workers: Sequence[int], bandwidths: 
             for spec, c in built.items():
                 rate = (throughput or {}).get(spec)
                 for ex in costmodel.exchanges_for(c):
-                    p = costmodel.predict(c, payloads[spec], ex, n, link, compute_s, rate, overlap)
+                    p = costmodel.predict(c, payloads[spec], ex, n, link, compute_s, rate, overlap,
+                                          jit_compile=jit[spec])
                     group.append({"compressor": spec, "exchange": ex, "workers": n,
                                   "bandwidth": band, "bytes_per_worker": round(p.bytes_per_worker),
                                   "wire_s": p.wire_s, "codec_s": p.codec_s,

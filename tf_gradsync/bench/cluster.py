@@ -282,7 +282,7 @@ def predict(rows: list[dict], probes: list[dict], specs: list, n: int) -> None:
         rate = rates.get(spec) or next(
             (v for m, v in rates.items() if m.split(":")[0] == spec), None)
         p = costmodel.predict(ops.compressor, payloads, kinds[row["exchange"]], n, link, compute,
-                              rate, cpu_share=share)
+                              rate, cpu_share=share, jit_compile=ops.jit_compile)
         row["predicted_s"] = p.step_s
         row["codec_s"] = p.codec_s if row["mode"] != "stock MWMS" else 0.0
         row["prediction_error"] = p.step_s / row["step_s"] - 1
