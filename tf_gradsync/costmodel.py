@@ -299,6 +299,7 @@ def measure_throughput(compressor: Compressor | str, numel: int, repeats: int = 
     sec, first = median_seconds(lambda: run(x), repeats)
     return {"seconds": sec, "bytes_per_s": numel * 4 / sec, "payload_bytes": int(first[1])}
 
-__all__ = ["BucketPayload", "DECODE_SHARE", "DECODE_SHARE_COMPILED", "DEFAULT_THROUGHPUT", "Prediction", "STEADY_STEP",
-           "THROUGHPUT", "bucket_rounds", "exchanges_for", "matrix_shape", "measure_throughput",
-           "median_seconds", "model_payloads", "predict", "roundtrip_fn"]
+__all__ = ["BucketPayload", "DECODE_SHARE", "DECODE_SHARE_COMPILED", "DEFAULT_THROUGHPUT",
+           "Prediction", "STEADY_STEP", "THROUGHPUT", "bucket_rounds", "exchanges_for",
+           "matrix_shape", "measure_throughput", "median_seconds", "model_payloads", "predict",
+           "roundtrip_fn"]

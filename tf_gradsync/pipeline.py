@@ -47,7 +47,7 @@ class Pipeline:
       measure_error: compute each step's compression error for the stats.
       exchange: how payloads that cannot be summed travel: "gather", "two_phase" or
         "auto" (per bucket, by `algorithms.choose_exchange`).
-      jit_compile: compile the compressors' decodings with XLA (`Context.jit_compile`).
+      jit_compile: compile the compressors' codecs with XLA (`Context.jit_compile`).
     """
 
     def __init__(self, compressor: Compressor, algorithm: str, bucket_bytes: int,

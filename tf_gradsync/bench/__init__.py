@@ -6,8 +6,8 @@ from __future__ import annotations
 def ops_from_spec(spec: str, **ops_kwargs):
     """Builds a `CompressedAllReduce` from `name` or `name:key=value:...` (values parsed as
     YAML); the keys `error_feedback`, `warmup_steps`, `exchange`, `guard`, `bucket_bytes` and
-    `jit_compile` go to `CompressedAllReduce`, the others to the compressor (e.g. `powersgd:rank=8:start_iter=0`,
-    `sign:exchange=two_phase`).
+    `jit_compile` go to `CompressedAllReduce`, the others to the compressor (e.g.
+    `powersgd:rank=8:start_iter=0`, `sign:exchange=two_phase`).
 
     Args:
       spec: the compressor and its arguments.

@@ -120,8 +120,8 @@ class Context:
       chunks: set when this bucket is exchanged in two phases
         (`tf_gradsync.compression.two_phase`): its chunks and which one this replica
         owns; None: one round for the whole bucket.
-      jit_compile: compile the compressor's decodings with XLA where it declares
-        they compile (`Compressor.xla_decode`, `tf_gradsync.compression.xla`).
+      jit_compile: compile with XLA the compressor's stages it declares compile
+        (`Compressor.xla_decode`, `xla_compress`; `tf_gradsync.compression.xla`).
     """
 
     state: Mapping[str, tf.Variable] = dataclasses.field(default_factory=dict)

@@ -1,4 +1,4 @@
-"""Decoding compiled by XLA: one fused loop instead of a pass over memory per op.
+"""Codecs compiled by XLA: one fused loop instead of a pass over memory per op.
 
 Decoding a payload is a chain of elementwise ops over the bucket (codes unpacked,
 scaled by their block's scale, summed over the replicas' payloads, subtracted from the
@@ -6,7 +6,7 @@ error feedback's input). TensorFlow runs each op as a pass with a fresh output
 buffer, and sums gathered payloads through a stack of their decodes; XLA fuses the
 chain into one loop that writes the bucket once. One core, 25M entries, summing the
 gathered payloads of 2 / 4 replicas: sign 110 -> 45 / 140 -> 60 ms, int8 40 -> 16 /
-92 -> 19, top-k (4) 104 -> 24 (BENCHMARKS.md, "micro").
+92 -> 19, top-k (4) 104 -> 24 (BENCHMARKS.md, "Compiled codecs").
 
 Compressions compile where that was measured to pay (`Compressor.xla_compress`): sign
 26 -> 18 ms, int8 37 -> 26, onebit 48 -> 35 on 25M entries. Elsewhere their statistics
@@ -22,7 +22,6 @@ import threading
 from typing import Any, Callable
 
 import tensorflow as tf
-
 
 _tracing = threading.local()
 
