@@ -11,7 +11,7 @@ import pytest
 import tensorflow as tf
 
 import tf_gradsync as gs
-from tf_gradsync import algorithms
+from tf_gradsync import algorithms, costmodel
 from tf_gradsync import compression as C
 from tf_gradsync.algorithms.pairwise import tournament
 from tf_gradsync.compression import two_phase
@@ -186,14 +186,27 @@ def test_bytes_are_n_minus_one_over_n_of_a_payload_per_phase(name, n):
         assert per_replica <= 1.05 * 2 * (n - 1) / n * payload
 
 
-def test_auto_prices_both_exchanges():
-    assert algorithms.choose_exchange("auto", 2, 1e9) == "gather"
-    assert algorithms.choose_exchange("auto", 4, 1e6) == "two_phase"
-    assert algorithms.choose_exchange("auto", 64, 100) == "gather"       # latency-bound
-    assert algorithms.choose_exchange("gather", 64, 1e9) == "gather"
-    # One bit out and eight back pays from six replicas on.
-    assert algorithms.choose_exchange("auto", 4, 1e6, 1e6, 4e6) == "gather"
-    assert algorithms.choose_exchange("auto", 6, 1e6, 1e6, 4e6) == "two_phase"
+@pytest.mark.parametrize("name,first", [("int8", 3), ("qsgd", 3), ("sign", 6), ("topk", 6)])
+def test_auto_prices_wire_and_codec_of_both_exchanges(name, first):
+    """`auto` gathers at 2 members, and up to the first count where two phases cost less
+    than a gather, wire and codec priced: from 3 for int8 (a quarter of the bucket
+    gathered N-1 times), from 6 for top-k and sign, whose small payloads gather cheaply
+    while two phases re-compress at the owners; as TensorFlow's ops (gathered decodes at
+    half a round trip each), top-k goes in two phases from 3. The pipeline's buckets
+    follow it."""
+    layout = C.Layout(((2500, 1000),))
+    ops = gs.CompressedAllReduce(name)
+    picks = {n: costmodel.choose_exchange(ops.compressor, layout, n) for n in range(2, 10)}
+    assert picks == {n: "two_phase" if n >= first else "gather" for n in range(2, 10)}
+    assert all(ops.bucket_exchange(layout, n) == picks[n] for n in picks)
+    if name == "topk":
+        assert costmodel.choose_exchange(ops.compressor, layout, 3, jit_compile=False) \
+            == "two_phase"
+    assert gs.CompressedAllReduce(name, exchange="gather").bucket_exchange(layout, 8) == "gather"
+    assert gs.CompressedAllReduce("fp16").bucket_exchange(layout, 8) == "all-reduce"
+
+
+def test_two_phases_put_two_nths_of_a_gather_on_the_wire():
     for n in (3, 8, 64):
         link = algorithms.cost.Link(latency_s=0)
         ratio = (algorithms.cost.exchange_seconds("gather", n, 1e9, link)

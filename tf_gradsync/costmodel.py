@@ -217,6 +217,34 @@ def predict(compressor: Compressor | str, payloads: Sequence[BucketPayload], exc
     return Prediction(c.name, exchange, sent, wire, codec, compute_s, compute_s + exposed)
 
 
+def choose_exchange(compressor: Compressor, layout: Layout, members: int,
+                    jit_compile: bool = True, link: Link = Link()) -> str:
+    """"gather" or "two_phase" for one bucket whose payloads cannot be summed: the
+    cheaper as `predict` prices them, wire and codec, on `link` (by default 50 us per
+    message and 1 Gbit/s) at the compressor's default codec rate (`THROUGHPUT`).
+
+    The codec matters as much as the bytes: two phases re-compress each owner's chunk
+    and decode the chunks twice, while compiled decodings (`jit_compile`) sum N gathered
+    payloads for little more than one. So small payloads (top-k, sign) gather up to 5
+    members and go in two phases from 6 to 8 on, and int8's (a quarter of the bucket)
+    from 3. At N = 2 both move the same bytes and gathering compresses once.
+
+    Args:
+      compressor: the bucket's compressor (as `CompressedAllReduce` wraps it).
+      layout: the bucket's layout.
+      members: replicas of the reduction, at least 2, at most `layout.numel`.
+      jit_compile: whether decodings compile (`CompressedAllReduce`'s setting).
+      link: the link priced.
+    """
+    payload = BucketPayload(layout.numel, layout.numel * layout.dtype.size,
+                            bucket_rounds(compressor, layout),
+                            two_phase.payload_bytes(compressor, layout, members))
+    rate = THROUGHPUT.get(compressor.codec().name, DEFAULT_THROUGHPUT)
+    price = {ex: predict(compressor, [payload], ex, members, link, 0.0, rate,
+                         jit_compile=jit_compile).step_s for ex in ("gather", "two_phase")}
+    return "two_phase" if price["two_phase"] < price["gather"] else "gather"
+
+
 def roundtrip_fn(compressor: Compressor, layout: Layout, replicas: int = 1,
                  measure_error: bool = False, jit_compile: bool = True):
     """A tf.function running one compress + decompress of a bucket laid out as `layout`
@@ -300,6 +328,7 @@ def measure_throughput(compressor: Compressor | str, numel: int, repeats: int = 
     return {"seconds": sec, "bytes_per_s": numel * 4 / sec, "payload_bytes": int(first[1])}
 
 __all__ = ["BucketPayload", "DECODE_SHARE", "DECODE_SHARE_COMPILED", "DEFAULT_THROUGHPUT",
-           "Prediction", "STEADY_STEP", "THROUGHPUT", "bucket_rounds", "exchanges_for",
+           "Prediction", "STEADY_STEP", "THROUGHPUT", "bucket_rounds", "choose_exchange",
+           "exchanges_for",
            "matrix_shape", "measure_throughput", "median_seconds", "model_payloads", "predict",
            "roundtrip_fn"]

@@ -145,6 +145,21 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
     def jit_compile(self) -> bool:
         return self._pipeline.jit_compile
 
+    def bucket_exchange(self, layout, members: int) -> str:
+        """How a bucket laid out as `layout` (a `compression.Layout`) travels among
+        `members` replicas: "all-reduce" (summable payloads), "gather" or "two_phase"
+        (for `exchange="auto"`, `costmodel.choose_exchange`'s pick).
+
+        Example:
+          >>> ops = tf_gradsync.CompressedAllReduce("int8")
+          >>> ops.bucket_exchange(tf_gradsync.compression.Layout(((1000, 1000),)), 4)
+          'two_phase'
+        """
+        if self._compressor.summable:
+            return "all-reduce"
+        return "two_phase" if self._pipeline.two_phase(self._compressor, layout, members) \
+            else "gather"
+
     @property
     def bucket_bytes(self) -> int:
         return self._bucket_bytes

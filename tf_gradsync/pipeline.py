@@ -18,7 +18,7 @@ from typing import Sequence
 
 import tensorflow as tf
 
-from tf_gradsync import _tf_compat, algorithms
+from tf_gradsync import _tf_compat, algorithms, costmodel
 from tf_gradsync.algorithms import Wire
 from tf_gradsync.bucketing import Bucket, BucketPlan, plan_buckets
 from tf_gradsync.compression import (SCATTER, Compressor, Context, Message, NoCompression,
@@ -46,7 +46,7 @@ class Pipeline:
       timeout: seconds after which a collective with a missing peer fails (0: never).
       measure_error: compute each step's compression error for the stats.
       exchange: how payloads that cannot be summed travel: "gather", "two_phase" or
-        "auto" (per bucket, by `algorithms.choose_exchange`).
+        "auto" (per bucket, by `costmodel.choose_exchange`).
       jit_compile: compile the compressors' codecs with XLA (`Context.jit_compile`).
     """
 
@@ -63,7 +63,7 @@ class Pipeline:
         self.state = state
         self.timeout = timeout
         self._plans: dict[tuple, BucketPlan] = {}
-        self._sizes: dict[tuple, tuple[int, int, int]] = {}   # two_phase.payload_bytes
+        self._exchanges: dict[tuple, str] = {}   # "auto"'s choice per bucket layout
         self._exact = NoCompression()
         #: Workers taking part (set by a multi-worker strategy). Each has the same
         #: number of local devices; with more than one, exchanges cross workers.
@@ -196,7 +196,7 @@ class Pipeline:
         seed = tf.stack([tf.cast(step, tf.int64),
                          tf.constant(int(plan.fingerprint, 16) + bucket.id, tf.int64)])
         layout = bucket.layout
-        two = self.two_phase(compressor, bucket, n)
+        two = self.two_phase(compressor, layout, n)
         ctxs = []
         for r, d in enumerate(src):
             compressor.check_input(xs[r])
@@ -220,16 +220,17 @@ class Pipeline:
                               devices=src,
                               measure_error=self.measure_error and compressor is self.compressor)
 
-    def two_phase(self, compressor: Compressor, bucket: Bucket, members: int) -> bool:
-        """Whether this bucket's gathered payloads travel in two phases."""
-        if compressor.summable or not compressor.splittable or members < 2 or bucket.numel < members:
+    def two_phase(self, compressor: Compressor, layout, members: int) -> bool:
+        """Whether a bucket of `layout`'s gathered payloads travel in two phases."""
+        if compressor.summable or not compressor.splittable or members < 2 or layout.numel < members:
             return False
         if self.exchange != "auto":
             return self.exchange == "two_phase"
-        key = (compressor.name, bucket.layout, members)
-        if key not in self._sizes:
-            self._sizes[key] = two_phase.payload_bytes(compressor, bucket.layout, members)
-        return algorithms.choose_exchange("auto", members, *self._sizes[key]) == "two_phase"
+        key = (compressor.name, layout, members)
+        if key not in self._exchanges:
+            self._exchanges[key] = costmodel.choose_exchange(compressor, layout, members,
+                                                             self.jit_compile)
+        return self._exchanges[key] == "two_phase"
 
     def _state_for(self, compressor: Compressor, plan: BucketPlan, bucket: Bucket,
                    replica: int, device: str,

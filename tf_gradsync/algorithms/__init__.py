@@ -81,29 +81,6 @@ def validate_exchange(name: str) -> str:
     return name
 
 
-def choose_exchange(name: str, members: int, payload_bytes: float,
-                    chunk_bytes: float | None = None, server_bytes: float | None = None) -> str:
-    """Resolves "auto" to the cheaper exchange on the default `cost.Link` (see
-    `cost.exchange_seconds`); at N = 2 both
-    move about the same bytes and gathering takes fewer rounds and compresses once.
-
-    Args:
-      name: "auto", "gather" or "two_phase".
-      members: replicas taking part.
-      payload_bytes: one member's payload for the whole bucket (gathered).
-      chunk_bytes: its chunks' payloads, summed (default: `payload_bytes`).
-      server_bytes: the re-compressed chunks, summed (default: `chunk_bytes`).
-    """
-    if name != "auto":
-        return name
-    if members <= 2:
-        return "gather"
-    chunk = payload_bytes if chunk_bytes is None else chunk_bytes
-    gather = cost.exchange_seconds("gather", members, payload_bytes)
-    two = cost.exchange_seconds("two_phase", members, chunk, server_bytes=server_bytes)
-    return "two_phase" if two < gather else "gather"
-
-
 __all__ = ["ALGORITHMS", "EXCHANGES", "HIERARCHICAL", "TWO_PHASE", "Exchange", "Group", "Wire",
-           "choose", "choose_exchange", "cost", "for_round", "names", "pairwise", "validate",
+           "choose", "cost", "for_round", "names", "pairwise", "validate",
            "validate_exchange"]

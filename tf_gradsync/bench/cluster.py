@@ -34,7 +34,7 @@ from typing import Sequence
 
 from absl import flags
 
-from tf_gradsync import algorithms, launch
+from tf_gradsync import launch
 from tf_gradsync.algorithms import cost
 from tf_gradsync.bench import multiworker, netns, ops_from_spec  # noqa: F401  (multiworker: flags)
 
@@ -153,10 +153,16 @@ def measure(n: int, rate: str, modes: Sequence[str], params: int, steps: int,
                 server = ranks[0]["server_payload_bytes"]
                 # Summable payloads: a ring all-reduce; others: a ring all-gather, or
                 # (N-1)/N of the payload out and of the owners' re-compression back.
-                ops = ops_from_spec(decision["compressor"] if decision else mode)
-                exchange = decision["exchange"] if decision else ops.exchange
-                two = algorithms.choose_exchange(exchange, n, payload, payload,
-                                                 server) == "two_phase"
+                ops = ops_from_spec(decision["compressor"] if decision else mode,
+                                    exchange=decision["exchange"] if decision else "auto")
+                # The exchange of the model's largest bucket (the dense models have one).
+                import tensorflow as tf  # pylint: disable=import-outside-toplevel
+                from tf_gradsync.bucketing import plan_buckets  # pylint: disable=C0415
+                buckets = plan_buckets([(tuple(s), tf.as_dtype(d)) for s, d in specs],
+                                       decision["bucket_bytes"] if decision else
+                                       ops.bucket_bytes).buckets
+                largest = max(buckets, key=lambda b: b.numel).layout
+                two = ops.bucket_exchange(largest, n) == "two_phase"
                 summable = ops.compressor.summable
                 row["exchange"] = ("all-reduce" if summable else
                                    "two-phase" if two else "gather")
