@@ -153,8 +153,11 @@ def measure(n: int, rate: str, modes: Sequence[str], params: int, steps: int,
                 server = ranks[0]["server_payload_bytes"]
                 # Summable payloads: a ring all-reduce; others: a ring all-gather, or
                 # (N-1)/N of the payload out and of the owners' re-compression back.
+                # autotune's exchange: "gather" or "two_phase", or an all-reduce's.
+                chosen = decision["exchange"] if decision else None
                 ops = ops_from_spec(decision["compressor"] if decision else mode,
-                                    exchange=decision["exchange"] if decision else "auto")
+                                    **({"exchange": chosen}
+                                       if chosen in ("gather", "two_phase") else {}))
                 # The exchange of the model's largest bucket (the dense models have one).
                 import tensorflow as tf  # pylint: disable=import-outside-toplevel
                 from tf_gradsync.bucketing import plan_buckets  # pylint: disable=C0415
