@@ -222,7 +222,8 @@ class Pipeline:
 
     def two_phase(self, compressor: Compressor, layout, members: int) -> bool:
         """Whether a bucket of `layout`'s gathered payloads travel in two phases."""
-        if compressor.summable or not compressor.splittable or members < 2 or layout.numel < members:
+        if (compressor.summable or not compressor.splittable or members < 2
+                or layout.numel < members):
             return False
         if self.exchange != "auto":
             return self.exchange == "two_phase"
