@@ -28,6 +28,7 @@ from typing import Sequence
 import tensorflow as tf
 
 from tf_gradsync.compression import _util, xla
+from tf_gradsync.compression.error_feedback import ErrorFeedback
 from tf_gradsync.compression.base import (GATHER, SCATTER, Compressor, Context, Layout, Message,
                                           Rounds, StateSpec, nbytes)
 
@@ -137,19 +138,14 @@ def rounds(compressor: Compressor, x: tf.Tensor, ctx: Context) -> Rounds:
         metas.append(meta)
     received = yield Message(tuple(parts), SCATTER)
 
-    # The owner: decode and sum the chunk's contributions, compress the sum again and
-    # keep what that loses for the next step.
+    # The owner: decode and sum the chunk's contributions, compress the sum again under
+    # error feedback, its residual the owner's (the server-side error feedback).
     me = chunks.member
-    residual = ctx.state[SERVER]
     summed = xla.decode(compressor, ctx, lambda r: compressor.combine(r, metas[me]), received)
-    total = tf.cast(summed, residual.dtype) + residual
-    server = _server_context(ctx, me)   # records no error: not the replicas' compression
-    reduced, meta = xla.compress(codec, tf.cast(total, x.dtype), server)
-    reduced = tuple(reduced)
-
-    def rest(sent) -> tf.Tensor:
-        return total - tf.cast(codec.decompress(sent, meta), residual.dtype)
-    server.keep_residual(residual, total, xla.decode(codec, ctx, rest, reduced))
+    # Records no error: not the replicas' compression.
+    server = dataclasses.replace(_server_context(ctx, me),
+                                 state={"residual": ctx.state[SERVER]})
+    reduced, meta = ErrorFeedback(codec).encode(tf.cast(summed, x.dtype), server)
 
     # What every other owner sends is decoded with the meta the codec gives its chunk;
     # compressing zeros only to learn it and the payload's shapes adds no work to a
