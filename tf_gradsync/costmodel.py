@@ -105,15 +105,20 @@ def model_payloads(compressor: Compressor | str, specs: Sequence[tuple[Sequence[
     compressor = get(compressor)
     out, seen = [], {}
     for bucket in plan_buckets(specs, bucket_bytes).buckets:
-        layout = bucket.layout
-        if layout not in seen:     # models repeat layers: price each layout once
-            rounds = bucket_rounds(compressor, layout)
-            chunks = None
-            if not compressor.summable and workers > 1 and layout.numel >= workers:
-                chunks = two_phase.payload_bytes(compressor, layout, workers)
-            seen[layout] = BucketPayload(layout.numel, bucket.nbytes, rounds, chunks)
-        out.append(seen[layout])
+        if bucket.layout not in seen:     # models repeat layers: price each layout once
+            seen[bucket.layout] = bucket_payload(compressor, bucket.layout, workers)
+        out.append(seen[bucket.layout])
     return out
+
+
+def bucket_payload(compressor: Compressor, layout: Layout, workers: int) -> BucketPayload:
+    """One bucket's payload under `compressor` among `workers` (its chunks' too, where
+    they may travel in two phases)."""
+    chunks = None
+    if not compressor.summable and workers > 1 and layout.numel >= workers:
+        chunks = two_phase.payload_bytes(compressor, layout, workers)
+    return BucketPayload(layout.numel, layout.numel * layout.dtype.size,
+                         bucket_rounds(compressor, layout), chunks)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,9 +241,7 @@ def choose_exchange(compressor: Compressor, layout: Layout, members: int,
       jit_compile: whether decodings compile (`CompressedAllReduce`'s setting).
       link: the link priced.
     """
-    payload = BucketPayload(layout.numel, layout.numel * layout.dtype.size,
-                            bucket_rounds(compressor, layout),
-                            two_phase.payload_bytes(compressor, layout, members))
+    payload = bucket_payload(compressor, layout, members)
     rate = THROUGHPUT.get(compressor.codec().name, DEFAULT_THROUGHPUT)
     price = {ex: predict(compressor, [payload], ex, members, link, 0.0, rate,
                          jit_compile=jit_compile).step_s for ex in ("gather", "two_phase")}
@@ -328,7 +331,6 @@ def measure_throughput(compressor: Compressor | str, numel: int, repeats: int = 
     return {"seconds": sec, "bytes_per_s": numel * 4 / sec, "payload_bytes": int(first[1])}
 
 __all__ = ["BucketPayload", "DECODE_SHARE", "DECODE_SHARE_COMPILED", "DEFAULT_THROUGHPUT",
-           "Prediction", "STEADY_STEP", "THROUGHPUT", "bucket_rounds", "choose_exchange",
-           "exchanges_for",
-           "matrix_shape", "measure_throughput", "median_seconds", "model_payloads", "predict",
-           "roundtrip_fn"]
+           "Prediction", "STEADY_STEP", "THROUGHPUT", "bucket_payload", "bucket_rounds",
+           "choose_exchange", "exchanges_for", "matrix_shape", "measure_throughput",
+           "median_seconds", "model_payloads", "predict", "roundtrip_fn"]
