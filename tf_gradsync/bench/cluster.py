@@ -153,19 +153,16 @@ def measure(n: int, rate: str, modes: Sequence[str], params: int, steps: int,
                 server = ranks[0]["server_payload_bytes"]
                 # Summable payloads: a ring all-reduce; others: a ring all-gather, or
                 # (N-1)/N of the payload out and of the owners' re-compression back.
-                # autotune's exchange: "gather" or "two_phase", or an all-reduce's.
-                chosen = decision["exchange"] if decision else None
-                ops = ops_from_spec(decision["compressor"] if decision else mode,
-                                    **({"exchange": chosen}
-                                       if chosen in ("gather", "two_phase") else {}))
-                # The exchange of the model's largest bucket (the dense models have one).
-                import tensorflow as tf  # pylint: disable=import-outside-toplevel
-                from tf_gradsync.bucketing import plan_buckets  # pylint: disable=C0415
-                buckets = plan_buckets([(tuple(s), tf.as_dtype(d)) for s, d in specs],
-                                       decision["bucket_bytes"] if decision else
-                                       ops.bucket_bytes).buckets
-                largest = max(buckets, key=lambda b: b.numel).layout
-                two = ops.bucket_exchange(largest, n) == "two_phase"
+                ops = ops_from_spec(decision["compressor"] if decision else mode)
+                if decision:
+                    two = decision["exchange"] == "two_phase"
+                else:   # what the model's largest bucket takes (the dense models have one)
+                    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+                    from tf_gradsync.bucketing import plan_buckets  # pylint: disable=C0415
+                    buckets = plan_buckets([(tuple(s), tf.as_dtype(d)) for s, d in specs],
+                                           ops.bucket_bytes).buckets
+                    largest = max(buckets, key=lambda b: b.numel).layout
+                    two = ops.bucket_exchange(largest, n) == "two_phase"
                 summable = ops.compressor.summable
                 row["exchange"] = ("all-reduce" if summable else
                                    "two-phase" if two else "gather")
