@@ -19,7 +19,7 @@ import tensorflow as tf
 
 import tf_gradsync as gs
 from tf_gradsync import compression as C
-from tf_gradsync.compression import _util
+from tf_gradsync.compression import _util, xla
 from _compress import context, make_state, reduce, roundtrip
 
 FLOATS = [tf.float16, tf.bfloat16, tf.float32, tf.float64]
@@ -280,8 +280,7 @@ def _packbits(bits):
 
 def _uniform(n, c, seed=(1, 2)):
     """The uniform draws replica 0 makes (Context.replica_seed)."""
-    s = context(seed=seed).replica_seed()
-    return tf.random.stateless_uniform([n], s, dtype=tf.float32).numpy()
+    return _util.uniform(n, context(seed=seed).replica_seed()).numpy()
 
 
 def test_int8_reference():
@@ -1304,3 +1303,44 @@ def test_segment_statistics_match_numpy(make):
     want = np.repeat(np.arange(seg.count), sizes) + 0.5
     # One segment's value stays [1] and broadcasts.
     np.testing.assert_array_equal(seg.expand(per).numpy(), want if seg.count > 1 else [0.5])
+    # Leading and trailing axes, in TensorFlow's ops and compiled by XLA (which expands
+    # the values of several pieces instead of applying `fn` piece by piece).
+    two = tf.stack([per, -per], -1)                       # [count, 2]: onebit's sides
+    lead = tf.constant(np.stack([v, 2 * v]))              # [2, numel]: two replicas
+    want2 = np.stack([v * want, 2 * v * want]).astype(np.float32)
+    pick = lambda b, s: tf.where(b, s[..., 0], s[..., 1])
+    bits = tf.constant(v > 0)
+    for run in (lambda f, *a: f(*a), xla.call):
+        np.testing.assert_allclose(
+            run(lambda x, p: seg.apply(tf.multiply, x, p), lead, tf.stack([per, per])),
+            want2, rtol=1e-6)
+        np.testing.assert_array_equal(run(lambda b, s: seg.apply(pick, b, s), bits, two),
+                                      np.where(v > 0, want, -want).astype(np.float32)
+                                      if seg.count > 1 else np.where(v > 0, 0.5, -0.5))
+    expanded = seg.expand(two, axis=0).numpy()
+    np.testing.assert_array_equal(expanded, np.stack([want, -want], -1) if seg.count > 1
+                                  else [[0.5, -0.5]])
+
+
+def test_uniform_draws_are_uniform_independent_and_the_same_compiled():
+    """`_util.uniform`: on [0, 1) in steps of 2^-24, the moments and histogram of a
+    uniform, no correlation between neighbours or between seeds (replicas, steps), and
+    the same values from TensorFlow's ops and compiled by XLA."""
+    n = 1 << 20
+    seeds = [tf.constant(s, tf.int64) for s in ((1, 2), (1, 3), (2, 2))]
+    u = [_util.uniform(n, s).numpy() for s in seeds]
+    for d in u:
+        assert d.dtype == np.float32 and d.min() >= 0 and d.max() < 1
+        np.testing.assert_array_equal(d * 2 ** 24, np.floor(d * 2 ** 24))
+        assert abs(d.mean() - 0.5) < 4 * np.sqrt(1 / 12 / n)
+        assert abs(d.var() - 1 / 12) < 1e-3
+        counts = np.histogram(d, bins=64, range=(0, 1))[0]
+        chi2 = np.sum((counts - n / 64) ** 2 / (n / 64))
+        assert chi2 < 63 + 5 * np.sqrt(2 * 63), chi2          # 63 degrees of freedom
+        assert abs(np.corrcoef(d[:-1], d[1:])[0, 1]) < 5 / np.sqrt(n)
+    for a, b in ((0, 1), (0, 2), (1, 2)):
+        assert abs(np.corrcoef(u[a], u[b])[0, 1]) < 5 / np.sqrt(n)
+    compiled = xla.call(lambda s: _util.uniform(n, s), seeds[0])
+    np.testing.assert_array_equal(compiled.numpy(), u[0])
+    np.testing.assert_array_equal(_util.uniform(17, seeds[0], tf.float64).numpy(),
+                                  u[0][:17].astype(np.float64))

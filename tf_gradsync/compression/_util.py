@@ -445,6 +445,12 @@ class Segments:
         lead = v.shape[:-1]
         if self.count == 1:
             return fn(v, per_segment)
+        if xla.tracing() and len(self._pieces) > 1:
+            # XLA fuses the expansion into `fn`'s loop; `fn` applied per piece and the
+            # pieces concatenated instead can cost XLA's CPU code 30x (a uniform draw in
+            # QSGD's rounding: 25M entries in 700 ms against 25). One piece stays in rows,
+            # which XLA ran faster than a flat expansion (sign, 25M: 2.6-3.0 against 2.3 GB/s).
+            return fn(v, self.expand(per_segment, axis=len(lead)))
         out, axis = [], len(lead)
         for piece in self._pieces:
             part = v if len(self._pieces) == 1 else v[..., piece.start:piece.stop]
@@ -458,22 +464,24 @@ class Segments:
                 out.append(fn(part, tf.gather(values, tf.constant(piece.ids), axis=axis)))
         return out[0] if len(out) == 1 else tf.concat(out, -1)
 
-    def expand(self, per_segment: tf.Tensor) -> tf.Tensor:
+    def expand(self, per_segment: tf.Tensor, axis: int = 0) -> tf.Tensor:
         """Each segment's value repeated over its elements ([1] for one segment, which
-        broadcasts)."""
+        broadcasts): `per_segment` is `[..., count, ...]` with its segment axis at
+        `axis`, the result `[..., numel, ...]`."""
         if self.count == 1:
             return per_segment
-        out = []
+        out, shape = [], per_segment.shape.as_list()
         for piece in self._pieces:
-            values = per_segment if len(self._pieces) == 1 else \
-                per_segment[piece.first:piece.first + piece.count]
+            values = per_segment if len(self._pieces) == 1 else tf.gather(
+                per_segment, tf.range(piece.first, piece.first + piece.count), axis=axis)
             if piece.ids is None:
                 size = (piece.stop - piece.start) // piece.count
-                out.append(tf.reshape(tf.broadcast_to(values[:, None], [piece.count, size]),
-                                      [-1]))
+                rows = shape[:axis] + [piece.count, size] + shape[axis + 1:]
+                out.append(tf.reshape(tf.broadcast_to(tf.expand_dims(values, axis + 1), rows),
+                                      shape[:axis] + [-1] + shape[axis + 1:]))
             else:
-                out.append(tf.gather(values, tf.constant(piece.ids)))
-        return out[0] if len(out) == 1 else tf.concat(out, 0)
+                out.append(tf.gather(values, tf.constant(piece.ids), axis=axis))
+        return out[0] if len(out) == 1 else tf.concat(out, axis)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -678,6 +686,46 @@ def _random_bits(count: int, bits: int, seed: tf.Tensor) -> tf.Tensor:
         tf.bitwise.right_shift(words[:, None], tf.range(0, per * bits, bits)[None]),
         (1 << bits) - 1)
     return tf.reshape(fields, [-1])[:count]
+
+
+def uniform(n: int, seed: tf.Tensor, dtype: tf.DType = tf.float32) -> tf.Tensor:
+    """[n] uniform in [0, 1) on a grid of 2^-24: a hash of (seed, index), for the
+    stochastic rounding of the quantizers.
+
+    Entry i is murmur3's 32-bit finaliser applied twice, to i times the golden ratio
+    plus one key and then xor the other, the two keys drawn from `seed` by Philox; the
+    finaliser is a bijection whose output bits each flip with probability one half when
+    any input bit does. The draws are a function of (seed, i) alone, so TensorFlow's ops
+    and a cluster compiled by XLA draw the same values (Philox under XLA does not draw
+    TensorFlow's), and a few integer ops per entry fuse into the quantizer's loop: 25M
+    entries in 22 ms on one core, against 125 ms for Philox's floats (XLA's own Philox
+    fused into the loop: 295 ms). Rounding up with probability u < frac on this grid is
+    biased by less than 2^-24 of a level.
+
+    Args:
+      n: how many draws.
+      seed: an int64 [2] stateless seed.
+      dtype: float32 or float64.
+
+    Returns:
+      A [n] tensor of `dtype`.
+    """
+    keys = tf.random.stateless_uniform([2], seed, minval=None, maxval=None, dtype=tf.uint32,
+                                       alg="philox")
+    index = tf.bitcast(tf.range(n, dtype=tf.int32), tf.uint32)
+    h = _fmix32(index * tf.constant(0x9E3779B9, tf.uint32) + keys[0])
+    h = _fmix32(tf.bitwise.bitwise_xor(h, keys[1]))
+    top = tf.bitcast(tf.bitwise.right_shift(h, tf.constant(8, tf.uint32)), tf.int32)
+    return tf.cast(top, dtype) * tf.constant(2.0 ** -24, dtype)
+
+
+def _fmix32(h: tf.Tensor) -> tf.Tensor:
+    """murmur3's finaliser of uint32 words."""
+    for shift, factor in ((16, 0x85EBCA6B), (13, 0xC2B2AE35), (16, None)):
+        h = tf.bitwise.bitwise_xor(h, tf.bitwise.right_shift(h, tf.constant(shift, tf.uint32)))
+        if factor is not None:
+            h = h * tf.constant(factor, tf.uint32)
+    return h
 
 
 def _full_ints(shape, seed: tf.Tensor) -> tf.Tensor:

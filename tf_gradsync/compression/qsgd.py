@@ -11,7 +11,7 @@ from typing import Sequence
 
 import tensorflow as tf
 
-from tf_gradsync.compression import _util
+from tf_gradsync.compression import _util, xla
 from tf_gradsync.compression.base import Compressor, Context, register
 
 
@@ -62,12 +62,18 @@ class QSGD(Compressor):
         seg = _util.Segments.chunks(ctx.layout_of(x), self.chunk)
         wd = _util.work_dtype(x.dtype)
         v = tf.cast(x, wd)
-        norm = tf.sqrt(seg.sum_of_squares(v))
-        a = seg.apply(tf.math.divide_no_nan, tf.abs(v) * self.levels, norm)
-        u = tf.random.stateless_uniform(tf.shape(v), ctx.replica_seed(), dtype=wd, alg="philox")
-        level = tf.minimum(tf.floor(a + u), self.levels)
-        q = tf.cast(tf.sign(v) * level, tf.int8)
-        return (q, norm + _util.poison(x, wd)), (seg, x.dtype)
+        norm_sq = seg.sum_of_squares(v)
+        norm = tf.sqrt(norm_sq)
+        seed = ctx.replica_seed()
+
+        def quantise(v, norm, seed):
+            a = seg.apply(tf.math.divide_no_nan, tf.abs(v) * self.levels, norm)
+            level = tf.minimum(tf.floor(a + _util.uniform(seg.numel, seed, wd)), self.levels)
+            return tf.cast(tf.sign(v) * level, tf.int8)
+        q = xla.stage(ctx, quantise, v, norm, seed)
+        # A chunk's sum of squares is not finite when one of its entries is not (or
+        # overflows, treated alike): checking the norms reads a chunk's worth of entries.
+        return (q, norm + _util.poison(norm_sq, wd)), (seg, x.dtype)
 
     def decompress(self, payload: Sequence[tf.Tensor], meta) -> tf.Tensor:
         """norm / levels * q, in the input dtype."""

@@ -13,7 +13,7 @@ from typing import Sequence
 
 import tensorflow as tf
 
-from tf_gradsync.compression import _util
+from tf_gradsync.compression import _util, xla
 from tf_gradsync.compression.base import Compressor, Context, divides_by_rms, register
 
 
@@ -101,18 +101,29 @@ class TernGrad(Compressor):
         seg = _util.Segments.of(ctx.layout_of(x))
         wd = _util.work_dtype(x.dtype)
         v = tf.cast(x, wd)
-        if self.bound is not None:
+        # The statistics are TensorFlow's reductions over v; the clipping and the draws
+        # are one loop (compiled by XLA under `Context.jit_compile`).
+        magnitude = seg.abs_max(v)
+        if self.bound is None:
+            bound, scale, check = None, magnitude, x
+        else:
+            sum_sq = seg.sum_of_squares(v)
             mean = seg.mean(v)
-            var = tf.maximum(seg.sum_of_squares(v) / seg.sizes_as(wd) - tf.square(mean), 0)
-            bound = seg.expand(self.bound * tf.sqrt(var))
-            # A constant tensor has sigma 0: leave it unclipped rather than zeroed.
-            v = tf.where(bound > 0, tf.clip_by_value(v, -bound, bound), v)
-        magnitude = tf.abs(v)       # once, for the scale and the draws
-        scale = seg.max(magnitude)
-        u = tf.random.stateless_uniform(tf.shape(v), ctx.replica_seed(), dtype=wd, alg="philox")
-        keep = u < seg.apply(tf.math.divide_no_nan, magnitude, scale)
-        codes = tf.where(keep, tf.where(v > 0, 1, 2), 0)
-        return (_util.pack(codes, 2), scale + _util.poison(x, wd)), (seg, x.dtype)
+            var = tf.maximum(sum_sq / seg.sizes_as(wd) - tf.square(mean), 0)
+            bound = self.bound * tf.sqrt(var)
+            # A constant tensor has sigma 0: it is left unclipped rather than zeroed.
+            scale = tf.where(bound > 0, tf.minimum(magnitude, bound), magnitude)
+            check = sum_sq    # not finite when an entry is not (or when it overflows)
+
+        def encode(v, scale, bound, seed):
+            if bound is not None:
+                v = seg.apply(lambda e, b: tf.where(b > 0, tf.clip_by_value(e, -b, b), e),
+                              v, bound)
+            keep = _util.uniform(seg.numel, seed, wd) < seg.apply(
+                tf.math.divide_no_nan, tf.abs(v), scale)
+            return _util.pack(tf.where(keep, tf.where(v > 0, 1, 2), 0), 2)
+        packed = xla.stage(ctx, encode, v, scale, bound, ctx.replica_seed())
+        return (packed, scale + _util.poison(check, wd)), (seg, x.dtype)
 
     def decompress(self, payload: Sequence[tf.Tensor], meta) -> tf.Tensor:
         """scale * {0, +1, -1}[code], in the input dtype."""

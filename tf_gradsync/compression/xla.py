@@ -70,12 +70,23 @@ def compress(compressor, x: tf.Tensor, ctx):
     return call(payload, x), metas[0]
 
 
-def decode(compressor, ctx, fn: Callable[..., tf.Tensor], *args) -> tf.Tensor:
-    """`fn(*args)`, one of `compressor`'s decodings, compiled (`call`) when the context
-    asks (`Context.jit_compile`) and the compressor's decodings compile (`xla_decode`)."""
-    if ctx.jit_compile and compressor.xla_decode:
+def stage(ctx, fn: Callable[..., Any], *args) -> Any:
+    """`fn(*args)`, an elementwise stage of a codec, compiled (`call`) when the context
+    asks (`Context.jit_compile`), inline when already inside a compiled cluster.
+
+    A compressor whose statistics are reductions (which stay TensorFlow's, see above)
+    computes them first and hands them to the stage that reads the bucket again."""
+    if ctx.jit_compile and not tracing():
         return call(fn, *args)
     return fn(*args)
 
 
-__all__ = ["call", "compress", "decode", "tracing"]
+def decode(compressor, ctx, fn: Callable[..., tf.Tensor], *args) -> tf.Tensor:
+    """`fn(*args)`, one of `compressor`'s decodings, compiled (`stage`) when the context
+    asks (`Context.jit_compile`) and the compressor's decodings compile (`xla_decode`)."""
+    if compressor.xla_decode:
+        return stage(ctx, fn, *args)
+    return fn(*args)
+
+
+__all__ = ["call", "compress", "decode", "stage", "tracing"]
