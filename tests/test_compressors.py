@@ -1076,6 +1076,9 @@ def test_topk_fast_path_is_exact(kind, k):
     assert fast == plain
     # top_k breaks ties towards lower indices, like a stable sort.
     assert fast == ref
+    # Signed values select by magnitude.
+    signed = np.where(rng.random(n) < 0.5, -mag, mag)
+    assert set(_util.top_k_indices(tf.constant(signed), k).numpy().tolist()) == ref
 
 
 def test_topk_per_tensor_on_long_and_many_short_tensors():

@@ -142,7 +142,7 @@ class Adaptive(Compressor):
         """Adds the reduced bucket to the interval's sum; at the interval's end, decides."""
         s = ctx.state
         g = tf.cast(reduced, s["accum"].dtype)
-        finite = tf.reduce_all(tf.math.is_finite(g))     # a NaN/Inf step is skipped
+        finite = _util.all_finite(g)     # a NaN/Inf step is skipped
         accum = s["accum"] + tf.where(finite, g, 0)
         count = s["count"] + tf.cast(finite, tf.int64)
         end = count >= self.interval

@@ -58,10 +58,9 @@ class Threshold(_util.SparseDecoding, Compressor):
     def compress(self, x: tf.Tensor, ctx: Context):
         """Returns `((values, int32 indices), (n, dtype))`."""
         seg = _util.Segments.of(ctx.layout_of(x))
-        mag = tf.abs(tf.cast(x, _util.work_dtype(x.dtype)))
         seed = tf.convert_to_tensor(ctx.seed, tf.int64)
         idx, valid = _util.top_per_segment(
-            mag, seg, _util.counts(self.ratio, seg),
+            tf.cast(x, _util.work_dtype(x.dtype)), seg, _util.counts(self.ratio, seg),
             lambda m, k: _util.select(m, k, seed, self.sample_ratio))
         values = tf.gather(x, idx)
         if valid is not None:

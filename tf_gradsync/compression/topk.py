@@ -56,9 +56,9 @@ class TopK(_util.SparseDecoding, Compressor):
         """Returns `((values, int32 indices), (n, dtype))`."""
         seg = _util.Segments.of(ctx.layout_of(x))
         wd = _util.work_dtype(x.dtype)
-        finite = tf.reduce_all(tf.math.is_finite(x))
+        finite = _util.all_finite(x)
         idx, _ = _util.top_per_segment(
-            tf.abs(tf.cast(x, wd)), seg, _util.counts(self.ratio, seg),
+            tf.cast(x, wd), seg, _util.counts(self.ratio, seg),
             lambda m, k: (_util.top_k_indices(m, k, full=~finite), None))
         bad = tf.where(finite, tf.constant(0, x.dtype), tf.constant(math.nan, x.dtype))
         return (tf.gather(x, idx) + bad, idx), (seg.numel, x.dtype)
