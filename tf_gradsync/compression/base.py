@@ -263,7 +263,8 @@ class Compressor(abc.ABC):
         `combine` sums gathered payloads without a copy of each decode into a stack.
       * `xla_decode`: its decodings (`decompress`, `combine`, `decode_chunks`) compile
         with XLA into fused loops, which the pipeline asks for (`Context.jit_compile`);
-        `xla_compress`: its `compress` does (its meta holds no tensors).
+        `xla_compress`: its `compress` does (its meta holds no tensors); one whose
+        statistics are reductions compiles the stage after them (`xla.stage`).
       * `accuracy`: what its library defaults cost in accuracy, from the convergence
         matrix (BENCHMARKS.md): "lossless" (as uncompressed training), "balanced"
         (within about a point on every measured recipe) or "aggressive" (more on

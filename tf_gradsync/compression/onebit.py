@@ -71,12 +71,12 @@ class OneBit(Compressor):
         bit = v >= 0
         n_pos = seg.sum(tf.cast(bit, wd))
         sq_pos = seg.sum_of_squares(tf.nn.relu(v))     # relu(v): the positive side
-        sq = seg.sum_of_squares(v)
         hi = tf.sqrt(tf.math.divide_no_nan(sq_pos, n_pos))
-        lo = tf.sqrt(tf.math.divide_no_nan(sq - sq_pos, seg.sizes_as(wd) - n_pos))
-        # Checking the blocks' sums of squares for a non-finite entry (as `Sign` does)
-        # reads a block's worth of entries instead of the bucket.
-        bad, sd = _util.poison(sq, wd), _util.scale_dtype(x.dtype)
+        lo = tf.sqrt(tf.math.divide_no_nan(seg.sum_of_squares(v) - sq_pos,
+                                           seg.sizes_as(wd) - n_pos))
+        # The bucket checked, not the blocks' sums of squares as `Sign` does: compiled,
+        # this compress then runs at 1.4-1.5 GB/s against 1.8 (25M entries, one core).
+        bad, sd = _util.poison(x, wd), _util.scale_dtype(x.dtype)
         return (_util.pack(bit, 1), tf.cast(hi + bad, sd), tf.cast(lo + bad, sd)), (seg, x.dtype)
 
     def decompress(self, payload: Sequence[tf.Tensor], meta) -> tf.Tensor:
