@@ -458,11 +458,13 @@ class Segments:
         lead = v.shape[:-1]
         if self.count == 1:
             return fn(v, per_segment)
-        if xla.tracing() and len(self._pieces) > 1:
+        if xla.tracing() and len(self._pieces) > 1 and per_segment.shape.rank == len(lead) + 1:
             # XLA fuses the expansion into `fn`'s loop; `fn` applied per piece and the
             # pieces concatenated instead can cost XLA's CPU code 30x (a uniform draw in
-            # QSGD's rounding: 25M entries in 700 ms against 25). One piece stays in rows,
-            # which XLA ran faster than a flat expansion (sign, 25M: 2.6-3.0 against 2.3 GB/s).
+            # QSGD's rounding: 25M entries in 700 ms against 25). One piece stays in
+            # rows, which XLA ran faster than a flat expansion (sign, 25M: 2.6-3.0
+            # against 2.3 GB/s), and so do values with trailing axes (onebit's two
+            # sides, 4 payloads of 5M entries summed: 18-21 ms in pieces, 27 expanded).
             return fn(v, self.expand(per_segment, axis=len(lead)))
         out, axis = [], len(lead)
         for piece in self._pieces:
