@@ -483,7 +483,10 @@ def test_randomk_cyclic_covers_every_entry_once_per_cycle():
 
 
 # ----------------------------------------------------------------- DGC
-def test_dgc_reference_three_steps():
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_dgc_reference_three_steps(jit_compile):
+    """Momentum correction and factor masking against numpy, as TensorFlow's ops and
+    with its elementwise stages compiled."""
     ratio, m = 0.1, 0.9
     c = C.get("dgc", ratio=ratio, momentum=m)
     state = make_state(c, LAYOUT)
@@ -496,7 +499,8 @@ def test_dgc_reference_three_steps():
         sent = ref != 0
         u[sent] = 0
         v[sent] = 0
-        y = roundtrip(c, tf.constant(g), state, step=step, shapes=SHAPES)
+        y = roundtrip(c, tf.constant(g), state, step=step, shapes=SHAPES,
+                      jit_compile=jit_compile)
         np.testing.assert_allclose(y.numpy(), ref, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(state["u"].numpy(), u, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(state["v"].numpy(), v, rtol=1e-5, atol=1e-6)
@@ -516,12 +520,13 @@ def test_dgc_warmup_clip_and_nan_reset():
     c = C.get("dgc", ratio=1.0, momentum=0.0, clip_norm=2.0)
     y = reduce(c, [10 * rand(64)] * 4, mean=True).results[0]
     np.testing.assert_allclose(np.linalg.norm(y.numpy()), 1.0, rtol=1e-5)
-    state = make_state(c, C.Layout.flat(64))
-    x = rand(64).numpy()
-    x[3] = math.nan
-    y = roundtrip(c, tf.constant(x), state)
-    assert np.isnan(y.numpy()).any()
-    assert not state["u"].numpy().any() and not state["v"].numpy().any()
+    for jit_compile in (False, True):
+        state = make_state(c, C.Layout.flat(64))
+        x = rand(64).numpy()
+        x[3] = math.nan
+        y = roundtrip(c, tf.constant(x), state, jit_compile=jit_compile)
+        assert np.isnan(y.numpy()).any()
+        assert not state["u"].numpy().any() and not state["v"].numpy().any()
 
 
 class _Optimizer:

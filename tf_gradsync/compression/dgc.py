@@ -12,7 +12,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from tf_gradsync.compression import _util
+from tf_gradsync.compression import _util, xla
 from tf_gradsync.compression.base import (Compressor, Context, Layout, StateSpec,
                                           optimizer_config, optimizer_momentum, register,
                                           sum_of_squares)
@@ -153,19 +153,29 @@ class DGC(_util.SparseDecoding, Compressor):
         g = tf.cast(x, wd)
         if self.clip_norm is not None:
             g = tf.clip_by_norm(g, self.clip_norm / math.sqrt(ctx.num_replicas))
-        u_new = self.momentum * u + g
-        v_new = v + u_new
+        m = self.momentum
+        # The elementwise stages around the selection are one loop each, compiled under
+        # `Context.jit_compile`.
+        u_new, v_new = xla.stage(ctx, lambda u, v, g: (m * u + g, v + (m * u + g)),
+                                 u.read_value(), v.read_value(), g)
         values, idx, valid = self._select(v_new, seg, ctx, x.dtype)
-        # v_new less what was sent (padding subtracts 0), in place of a copy:
-        # no dense scatter of the values. v keeps what the wire dtype rounded away.
-        rest = tf.tensor_scatter_nd_sub(v_new, idx[:, None], tf.cast(values, wd))
-        # A byte per entry, not a float: the mask's fresh buffer is what costs (25M
-        # entries: 62 ms with the select below, against 142).
-        was_sent = tf.scatter_nd(idx[:, None], tf.cast(valid, tf.uint8), [n]) > 0
         finite = _util.all_finite(v_new)
-        u.assign(tf.where(finite & ~was_sent, u_new, 0))      # u is masked where sent
-        v.assign(tf.where(finite, rest, 0))
-        ctx.record_error(v_new, None, error_sq=sum_of_squares(rest))
+
+        def update(u_new, v_new, sent, idx, valid, finite):
+            # Sent entries (valid slots; padding leaves its entry alone) are zeroed in u
+            # (momentum factor masking); v keeps v_new less what was sent, which is what
+            # the wire dtype rounded away. A non-finite step resets both.
+            u_new = tf.tensor_scatter_nd_update(
+                u_new, idx[:, None], tf.where(valid, tf.zeros([], wd), tf.gather(u_new, idx)))
+            rest = tf.tensor_scatter_nd_sub(v_new, idx[:, None], sent)
+            # A condition, not a select over the bucket: no pass when all is finite.
+            return tf.cond(finite, lambda: (u_new, rest),
+                           lambda: (tf.zeros_like(u_new), tf.zeros_like(rest)))
+        u_next, rest = xla.stage(ctx, update, u_new, v_new, tf.cast(values, wd), idx, valid,
+                                 finite)
+        u.assign(u_next)
+        v.assign(rest)
+        ctx.record_error(v_new, None, error_sq=tf.where(finite, sum_of_squares(rest), math.nan))
         bad = tf.where(finite, tf.constant(0, x.dtype), tf.constant(math.nan, x.dtype))
         return (values + bad, idx), (n, x.dtype)
 
