@@ -339,7 +339,10 @@ class Compressor(abc.ABC):
         # `compress` may record the error of what it really compressed (DGC: its
         # accumulated velocity); otherwise x against what the payload decodes to.
         if ctx.errors is not None and len(ctx.errors) == recorded and not self.exact:
-            ctx.record_error(x, self.decompress(payload, meta))
+            # Decoded in one compiled loop where decodings compile (QSGD's 25M entries:
+            # 13 bytes read or written per byte for the error as TensorFlow's ops).
+            ctx.record_error(x, xla.decode(self, ctx, lambda p: self.decompress(p, meta),
+                                           payload))
         return payload, meta
 
     def codec(self) -> "Compressor":
