@@ -305,7 +305,7 @@ def select(x: tf.Tensor, k: int, seed: tf.Tensor, sample_ratio: float,
     n = numel(x)
     s = min(n, max(min_sample, math.ceil(sample_ratio * n)))
     if s >= n:
-        # Equal pads rank by position, so the pads taken are the first entries.
+        # An exact top-k; zeros it takes go as padding (not valid).
         top = tf.math.top_k(tf.abs(x), k, sorted=False)
         return top.indices, top.values > 0
     sample = tf.abs(tf.gather(x, tf.random.stateless_uniform([s], seed, 0, n, dtype=tf.int32,
@@ -497,8 +497,8 @@ class Segments:
             return per_segment
         out, shape = [], per_segment.shape.as_list()
         for piece in self._pieces:
-            values = per_segment if len(self._pieces) == 1 else tf.gather(
-                per_segment, tf.range(piece.first, piece.first + piece.count), axis=axis)
+            values = per_segment if len(self._pieces) == 1 else per_segment[
+                (slice(None),) * axis + (slice(piece.first, piece.first + piece.count),)]
             if piece.ids is None:
                 size = (piece.stop - piece.start) // piece.count
                 rows = shape[:axis] + [piece.count, size] + shape[axis + 1:]
