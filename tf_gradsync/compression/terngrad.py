@@ -15,6 +15,7 @@ import tensorflow as tf
 
 from tf_gradsync.compression import _util, xla
 from tf_gradsync.compression.base import Compressor, Context, divides_by_rms, register
+from tf_gradsync.compression.int8 import Int8
 
 
 @register("terngrad")
@@ -131,3 +132,12 @@ class TernGrad(Compressor):
         seg, dtype = meta
         t = _util.unpack(packed, 2, seg.numel, values=(0, 1, -1, 0), dtype=scale.dtype)
         return tf.cast(seg.apply(tf.multiply, t, scale), dtype)
+
+    def server_codec(self) -> Compressor:
+        """int8 with a scale per tensor, as for `Sign`. An owner re-sending its sum of
+        N ternary payloads as TernGrad, under the owner's error feedback, keeps
+        ternary noise in a residual that no step contracts: on a 1M bucket of 4
+        replicas its norm grew 1.3e3 -> 3.4e3 over 12 steps and the result's 3.8e3 ->
+        9.8e3 (the sum's: 2.0e3), and 4 local workers stepped in 0.119 s against 0.052
+        gathered (BENCHMARKS.md). The sum's levels {-N, ..., N} fit int8."""
+        return Int8()
