@@ -179,7 +179,7 @@ def test_bytes_are_n_minus_one_over_n_of_a_payload_per_phase(name, n):
     two = reduce(c, xs, shapes=shapes, two_phases=True)
     per_replica = two.sent / n
     assert per_replica == pytest.approx((n - 1) / n * (chunks + server), rel=0.01)
-    if name in ("sign", "onebit"):      # one bit per entry out, int8 back
+    if name in ("sign", "onebit", "terngrad"):      # one or two bits out, int8 back
         assert server == two_phase.payload_bytes(C.get("int8"), layout, n)[1]
     else:
         assert server == chunks
@@ -300,3 +300,25 @@ def test_workers_match_devices_of_one_process(tmp_path, devices, workers, chief)
     # longer of two chunks' payloads.
     sent, ref = runs[0]["stats"]["last_bytes_sent"], ops.stats()["last_bytes_sent"]
     assert ref <= sent <= 1.05 * ref
+
+
+@pytest.mark.parametrize("name", ["terngrad", "sign", "onebit", "int8", "qsgd"])
+def test_owners_residual_stays_bounded(name):
+    """The owners' error feedback keeps what their re-compression lost; with a codec
+    that can carry the sum (int8 for the one- and two-bit payloads), that residual and
+    the result stay bounded over steps instead of accumulating noise (TernGrad re-sent
+    as TernGrad grew both about as the square root of the steps)."""
+    layout = C.Layout(((300, 200), (200,)))
+    n, steps = 4, 12
+    c = gs.CompressedAllReduce(name).compressor
+    states = [make_state(c, layout, two_phase.split(layout, n, r)) for r in range(n)]
+    ratios = []
+    for step in range(steps):
+        xs = [tf.random.stateless_normal([layout.numel], (step, r)) for r in range(n)]
+        out = reduce(c, xs, states, shapes=layout.shapes, two_phases=True, step=step)
+        want = np.linalg.norm(sum(x.numpy() for x in xs))
+        residual = np.linalg.norm(states[0][two_phase.SERVER].numpy())
+        ratios.append((residual / want, np.linalg.norm(out.results[0].numpy()) / want))
+    (r_first, out_first), (r_last, out_last) = ratios[1], ratios[-1]
+    assert r_last < 0.1 and r_last < 1.5 * r_first + 0.01, ratios
+    assert out_last < 1.5 * out_first + 0.01, ratios
