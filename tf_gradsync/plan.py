@@ -180,20 +180,18 @@ def plan(specs, compressors: Sequence[str], workers: Sequence[int], bandwidths: 
     from tf_gradsync.algorithms.cost import Link, parse_bandwidth  # pylint: disable=import-outside-toplevel
     from tf_gradsync.bench import ops_from_spec  # pylint: disable=import-outside-toplevel
     links = [(b, Link(latency_s, parse_bandwidth(b))) for b in bandwidths]
-    built, jit = {}, {}
-    for spec in dict.fromkeys(["none", *compressors]):
-        ops = ops_from_spec(spec)
-        built[spec], jit[spec] = ops.compressor, ops.jit_compile
+    built = {spec: ops_from_spec(spec) for spec in dict.fromkeys(["none", *compressors])}
     rows = []
     for n in workers:
-        payloads = {s: costmodel.model_payloads(c, specs, bucket_bytes, n) for s, c in built.items()}
+        payloads = {s: costmodel.model_payloads(ops.compressor, specs, bucket_bytes, n)
+                    for s, ops in built.items()}
         for band, link in links:
             group = []
-            for spec, c in built.items():
+            for spec, ops in built.items():
                 rate = (throughput or {}).get(spec)
-                for ex in costmodel.exchanges_for(c):
-                    p = costmodel.predict(c, payloads[spec], ex, n, link, compute_s, rate, overlap,
-                                          jit_compile=jit[spec])
+                for ex in costmodel.exchanges_for(ops.compressor):
+                    p = costmodel.predict(ops.compressor, payloads[spec], ex, n, link, compute_s,
+                                          rate, overlap, jit_compile=ops.jit_compile)
                     group.append({"compressor": spec, "exchange": ex, "workers": n,
                                   "bandwidth": band, "bytes_per_worker": round(p.bytes_per_worker),
                                   "wire_s": p.wire_s, "codec_s": p.codec_s,

@@ -138,6 +138,6 @@ class TernGrad(Compressor):
         N ternary payloads as TernGrad, under the owner's error feedback, keeps
         ternary noise in a residual that no step contracts: on a 1M bucket of 4
         replicas its norm grew 1.3e3 -> 3.4e3 over 12 steps and the result's 3.8e3 ->
-        9.8e3 (the sum's: 2.0e3), and 4 local workers stepped in 0.119 s against 0.052
-        gathered (BENCHMARKS.md). The sum's levels {-N, ..., N} fit int8."""
+        9.8e3 (the sum's: 2.0e3; BENCHMARKS.md). The sum's levels {-N, ..., N} fit
+        int8."""
         return Int8()
