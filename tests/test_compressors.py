@@ -1045,7 +1045,9 @@ def test_powersgd_dense_warm_up_then_low_rank():
 # ----------------------------------------------------------------- exact top-k
 def _topk_sets(mag, k):
     """The fast path's indices, top_k's, and a stable numpy argsort's (lower index first)."""
-    fast = _util.top_k_indices(tf.constant(mag), k).numpy()
+    fast_idx, fast_values = _util.top_k_entries(tf.constant(mag), k)
+    fast = fast_idx.numpy()
+    np.testing.assert_array_equal(fast_values.numpy(), mag[fast])
     assert len(fast) == k
     ref = np.argsort(-mag, kind="stable")[:k]
     plain = tf.math.top_k(tf.constant(mag), k).indices.numpy()
@@ -1074,8 +1076,8 @@ def test_topk_fast_path_is_exact(kind, k):
         mag = np.ones(n)
     else:                          # the sample sees only large values: too few candidates
         mag = rng.random(n)
-        pick = tf.random.stateless_uniform([1000], _util._TOPK_SEED, 0, n, dtype=tf.int32)
-        mag[pick.numpy()] = 10.0
+        rows = _util.sample_rows(n, _util.sample_size(1000), _util._TOPK_SEED).numpy()
+        mag[(rows[:, None] * _util.SAMPLE_RUN + np.arange(_util.SAMPLE_RUN)).ravel()] = 10.0
     mag = mag.astype(np.float32)
     fast, plain, ref = _topk_sets(mag, k)
     assert fast == plain
@@ -1083,7 +1085,9 @@ def test_topk_fast_path_is_exact(kind, k):
     assert fast == ref
     # Signed values select by magnitude.
     signed = np.where(rng.random(n) < 0.5, -mag, mag)
-    assert set(_util.top_k_indices(tf.constant(signed), k).numpy().tolist()) == ref
+    idx, values = _util.top_k_entries(tf.constant(signed), k)
+    assert set(idx.numpy().tolist()) == ref
+    np.testing.assert_array_equal(values.numpy(), signed[idx.numpy()])
 
 
 def test_topk_per_tensor_on_long_and_many_short_tensors():

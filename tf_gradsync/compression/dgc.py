@@ -183,12 +183,12 @@ class DGC(_util.SparseDecoding, Compressor):
         """The largest entries of `v` per tensor at this mode's ratio: `(values in
         `dtype`, int32 indices, which slots hold a selected entry)`."""
         seed = tf.convert_to_tensor(ctx.seed, tf.int64)
-        idx, valid = _util.top_per_segment(
+        idx, valid, values = _util.top_per_segment(
             v, seg, _util.counts(self.ratios[ctx.mode], seg),
             lambda m, k: _util.select(m, k, seed, self.sample_ratio))
         if valid is None:
             valid = tf.ones_like(idx, tf.bool)
-        return tf.cast(tf.where(valid, tf.gather(v, idx), 0), dtype), idx, valid
+        return tf.cast(tf.where(valid, values, 0), dtype), idx, valid
 
     def codec(self) -> Compressor:
         """DGC's selection without its momentum and accumulation: a reduced chunk's

@@ -59,10 +59,10 @@ class Threshold(_util.SparseDecoding, Compressor):
         """Returns `((values, int32 indices), (n, dtype))`."""
         seg = _util.Segments.of(ctx.layout_of(x))
         seed = tf.convert_to_tensor(ctx.seed, tf.int64)
-        idx, valid = _util.top_per_segment(
+        idx, valid, values = _util.top_per_segment(
             tf.cast(x, _util.work_dtype(x.dtype)), seg, _util.counts(self.ratio, seg),
             lambda m, k: _util.select(m, k, seed, self.sample_ratio))
-        values = tf.gather(x, idx)
+        values = tf.cast(values, x.dtype)
         if valid is not None:
             values = tf.where(valid, values, tf.zeros([], x.dtype))
         return (values + tf.cast(_util.poison(x), x.dtype), idx), (seg.numel, x.dtype)

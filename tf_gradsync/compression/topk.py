@@ -57,8 +57,11 @@ class TopK(_util.SparseDecoding, Compressor):
         seg = _util.Segments.of(ctx.layout_of(x))
         wd = _util.work_dtype(x.dtype)
         finite = _util.all_finite(x)
-        idx, _ = _util.top_per_segment(
-            tf.cast(x, wd), seg, _util.counts(self.ratio, seg),
-            lambda m, k: (_util.top_k_indices(m, k, full=~finite), None))
+
+        def exact(m, k):
+            idx, values = _util.top_k_entries(m, k, full=~finite)
+            return idx, None, values
+        idx, _, values = _util.top_per_segment(
+            tf.cast(x, wd), seg, _util.counts(self.ratio, seg), exact)
         bad = tf.where(finite, tf.constant(0, x.dtype), tf.constant(math.nan, x.dtype))
-        return (tf.gather(x, idx) + bad, idx), (seg.numel, x.dtype)
+        return (tf.cast(values, x.dtype) + bad, idx), (seg.numel, x.dtype)
