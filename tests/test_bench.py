@@ -5,6 +5,7 @@ import os
 import struct
 import subprocess
 import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -278,3 +279,31 @@ def test_micro_times_codecs_compiled_and_not_on_the_same_payload(name):
     assert [r["jit_compile"] for r in rows] == [True, False]
     assert rows[0]["payload_bytes"] == rows[1]["payload_bytes"] > 0
     assert all(r["gb_per_s"] > 0 and r["ratio"] == (1 << 16) / r["payload_bytes"] for r in rows)
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_keep_freed_buffers_keeps_a_freed_buffer_in_the_process(keep):
+    """With `keep_freed_buffers`, glibc keeps a freed 128 MB buffer (reused by the next
+    allocation); by default it hands it back to the kernel."""
+    code = textwrap.dedent("""
+        import sys
+        import numpy as np
+        from tf_gradsync.bench import keep_freed_buffers
+        def rss():
+            with open("/proc/self/statm") as f:
+                return int(f.read().split()[1]) * 4096
+        if sys.argv[1] == "1":
+            assert keep_freed_buffers()
+        a = np.ones(1 << 24)
+        before = rss()
+        del a
+        print(before - rss())
+        """)
+    out = subprocess.run([sys.executable, "-c", code, "1" if keep else "0"], check=True,
+                         capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, PYTHONPATH=os.getcwd())).stdout
+    returned = int(out.split()[-1])
+    if keep:
+        assert returned < (8 << 20)
+    else:
+        assert returned > (100 << 20)

@@ -36,7 +36,8 @@ from absl import flags
 
 from tf_gradsync import launch
 from tf_gradsync.algorithms import cost
-from tf_gradsync.bench import multiworker, netns, ops_from_spec  # noqa: F401  (multiworker: flags)
+from tf_gradsync.bench import (KEEP_BUFFERS_ENV, multiworker, netns,  # noqa: F401  (multiworker: flags)
+                               ops_from_spec)
 
 flags.DEFINE_list("cluster_workers", ["2", "4"], "cluster: worker counts.")
 flags.DEFINE_list("rate", ["1gbit"], "cluster: link rates, tc style (100mbit, 1gbit, 10gbit).")
@@ -56,9 +57,7 @@ COLUMNS = ["setup", "workers", "rate", "mode", "exchange", "step_s", "speedup", 
            "pick", "vs_best", "vs_best_rematch", "items_per_s", "stats_bytes", "wire_bytes",
            "wire_vs_stats", "ring_bound", "wire_vs_bound", "cores", "load"]
 _PORT = 20000   # every namespace has its own ports, so all workers can use the same one
-_ENV = {"TF_CPP_MIN_LOG_LEVEL": "2",
-        # glibc returning the large gradient buffers every step makes timings noisy.
-        "MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": "10000000000"}
+_ENV = {"TF_CPP_MIN_LOG_LEVEL": "2", **KEEP_BUFFERS_ENV}
 _live: list[netns.Network] = []   # to remove if the run is cut short (also kills workers)
 
 

@@ -1,4 +1,7 @@
-"""Compressor throughput: compress + decompress of dense float32 input, one replica."""
+"""Compressor throughput: compress + decompress of dense float32 input, one replica, one
+core. By default glibc keeps the buffers it frees (`keep_freed_buffers`, as in the
+workers of the multi-process suites), so that each call reuses memory instead of faulting
+in fresh pages; `--nomicro_keep_buffers` times malloc's defaults."""
 
 from __future__ import annotations
 
@@ -8,11 +11,14 @@ import tensorflow as tf
 from absl import flags
 
 from tf_gradsync import compression, costmodel
+from tf_gradsync.bench import keep_freed_buffers
 
 flags.DEFINE_list("sizes", ["1000000", "25000000"], "micro: bucket sizes (elements).")
 flags.DEFINE_integer("repeats", 5, "micro: timed repetitions.")
 flags.DEFINE_list("micro_jit_compile", ["true"], "micro: compile the codecs with XLA where "
                   "they declare it (true), or not (false); both side by side: true,false.")
+flags.DEFINE_boolean("micro_keep_buffers", True, "micro: glibc keeps freed buffers for "
+                     "reuse (keep_freed_buffers) instead of returning large ones to the kernel.")
 FLAGS = flags.FLAGS
 #: Figure (see figure.py): GB/s per compressor, one bar per bucket size.
 PLOT = ("compressor", "gb_per_s", "GB/s of float32 input", "numel")
@@ -35,6 +41,7 @@ def run() -> tuple[list[dict], list[str]]:
     """The suite: every compressor (or --compressors) at every size, on one core."""
     tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.config.threading.set_inter_op_parallelism_threads(1)
+    allocation = "kept" if FLAGS.micro_keep_buffers and keep_freed_buffers() else "default"
     rows = []
     modes = []
     for text in FLAGS.micro_jit_compile:
@@ -46,5 +53,7 @@ def run() -> tuple[list[dict], list[str]]:
             for jit in modes:
                 print(f"[bench] micro {name} {size} jit_compile={jit}", file=sys.stderr,
                       flush=True)
-                rows.append(measure(name, int(size), FLAGS.repeats, jit))
-    return rows, ["compressor", "numel", "jit_compile", "gb_per_s", "payload_bytes", "ratio"]
+                rows.append(dict(measure(name, int(size), FLAGS.repeats, jit),
+                                 allocation=allocation))
+    return rows, ["compressor", "numel", "jit_compile", "allocation", "gb_per_s",
+                  "payload_bytes", "ratio"]

@@ -20,7 +20,7 @@ from typing import Sequence
 import numpy as np
 from absl import flags
 
-from tf_gradsync.bench import models, ops_from_spec
+from tf_gradsync.bench import KEEP_BUFFERS_ENV, models, ops_from_spec
 
 flags.DEFINE_integer("workers", 2, "multiworker: number of local workers.")
 flags.DEFINE_integer("params", 25_000_000, "multiworker, cluster: model parameters.")
@@ -239,8 +239,7 @@ def run_jobs(modes, workers: int, params: int, steps: int, batch: int, model: st
              image_size: int = 224) -> list[dict]:
     """Runs each mode as a separate job, one after the other; returns rank 0's results."""
     rows = []
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
-               MALLOC_MMAP_MAX_="0", MALLOC_TRIM_THRESHOLD_="10000000000")
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", **KEEP_BUFFERS_ENV)
     for mode in modes:
         cmd = [sys.executable, "-m", "tf_gradsync.launch", f"--num_workers={workers}", "--",
                "-m", "tf_gradsync.bench.multiworker", f"--mode={mode}", f"--params={params}",
