@@ -13,6 +13,7 @@ import tf_gradsync as gs
 from tf_gradsync import compression as C
 from tf_gradsync.compression import _util, driver, two_phase, xla
 from _compress import make_state, reduce
+from tf_gradsync.bench import ops_from_spec
 
 SHAPES = ((3, 3, 2, 4), (4,), (0, 5), (50, 10), (10,), ())
 LAYOUT = C.Layout(SHAPES)
@@ -22,8 +23,8 @@ COMPILED = [n for n in C.names() if gs.CompressedAllReduce(n).compressor.xla_dec
 
 
 def test_the_compressors_that_compile_are_the_expected_ones():
-    assert set(COMPILED) == {"dgc", "int8", "onebit", "qsgd", "sign", "terngrad", "threshold",
-                             "topk"}
+    assert set(COMPILED) == {"dgc", "int8", "onebit", "qsgd", "randomk", "sign", "terngrad",
+                             "threshold", "topk"}
     assert {n for n in C.names() if C.get(n).xla_compress} == {"int8", "onebit", "sign"}
 
 
@@ -32,13 +33,20 @@ def _states(c, n, two):
             for r in range(n)]
 
 
-@pytest.mark.parametrize("exchange", ["gather", "two_phase"])
-@pytest.mark.parametrize("name", COMPILED)
+#: Summed payloads (random-k) take one exchange, not two phases.
+CASES = [(name, exchange) for name in COMPILED + ["randomk:ratio=0.3", "randomk:cyclic=true",
+                                                  "randomk:scale=true:ratio=0.25"]
+         for exchange in ("gather", "two_phase")
+         if exchange == "gather" or not name.startswith("randomk")]
+
+
+@pytest.mark.parametrize("name,exchange", CASES)
 def test_compiled_decodings_reduce_as_tensorflows_ops(name, exchange):
     """Three steps of four replicas, compiled and not, from the same inputs and states:
     the same sums (to float32 rounding), identical on every replica, the same bytes,
-    compression errors and residuals."""
-    c = gs.CompressedAllReduce(name).compressor
+    compression errors and residuals (random-k: strata of equal lengths, a power of
+    two, of other lengths, cyclic)."""
+    c = ops_from_spec(name).compressor
     n, two = 4, exchange == "two_phase"
     plain, compiled = _states(c, n, two), _states(c, n, two)
     rng = np.random.default_rng(3)

@@ -15,7 +15,8 @@ sum of squares of 25M entries: 13 ms against 4.7; TernGrad's whole compress 215 
 ms), or selections, which need shapes known only at run time. The error feedback's
 norms stay TensorFlow's for the same reason. A compressor with such statistics
 compiles the stage that follows them (`stage`): QSGD's and TernGrad's stochastic
-rounding, draws included, is one loop (QSGD on 25M entries: 200 -> 25 ms).
+rounding, draws included, is one loop (QSGD on 25M entries: 200 -> 25 ms); random-k's
+strata and gather are two (12.5M of 25M entries: 57 ms gathered by TensorFlow, 12 by XLA).
 """
 
 from __future__ import annotations
