@@ -150,3 +150,19 @@ def test_unpacking_compiled_gives_the_tables_codes(bits, values):
                       )(packed).numpy()
     np.testing.assert_array_equal(want, codes if values is None else np.asarray(values)[codes])
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("name", ["topk", "threshold", "dgc"])
+def test_long_tensors_select_the_same_entries_compiled(name):
+    """Tensors long enough for the sampled selection (its comparison with the threshold
+    compiled when asked): the same payload, entry for entry, and the same sum."""
+    shapes = ((300, 250), (64,), (40_000,))
+    c = gs.CompressedAllReduce(name).compressor
+    layout = C.Layout(shapes)
+    rng = np.random.default_rng(5)
+    xs = [tf.constant(rng.standard_normal(layout.numel), tf.float32) for _ in range(2)]
+    got = [reduce(c, xs, [make_state(c, layout) for _ in xs], shapes=shapes,
+                  jit_compile=jit) for jit in (False, True)]
+    for a, b in zip(got[0].payloads[0], got[1].payloads[0]):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    np.testing.assert_array_equal(got[0].results[0].numpy(), got[1].results[0].numpy())

@@ -7,6 +7,8 @@ References:
 
 from __future__ import annotations
 
+import functools
+
 import math
 from typing import Any
 
@@ -185,7 +187,8 @@ class DGC(_util.SparseDecoding, Compressor):
         seed = tf.convert_to_tensor(ctx.seed, tf.int64)
         idx, valid, values = _util.top_per_segment(
             v, seg, _util.counts(self.ratios[ctx.mode], seg),
-            lambda m, k: _util.select(m, k, seed, self.sample_ratio))
+            lambda m, k: _util.select(m, k, seed, self.sample_ratio,
+                                      stage=functools.partial(xla.stage, ctx)))
         if valid is None:
             valid = tf.ones_like(idx, tf.bool)
         return tf.cast(tf.where(valid, values, 0), dtype), idx, valid

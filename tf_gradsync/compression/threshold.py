@@ -7,9 +7,11 @@ References:
 
 from __future__ import annotations
 
+import functools
+
 import tensorflow as tf
 
-from tf_gradsync.compression import _util
+from tf_gradsync.compression import _util, xla
 from tf_gradsync.compression.base import Compressor, Context, register
 
 
@@ -61,7 +63,8 @@ class Threshold(_util.SparseDecoding, Compressor):
         seed = tf.convert_to_tensor(ctx.seed, tf.int64)
         idx, valid, values = _util.top_per_segment(
             tf.cast(x, _util.work_dtype(x.dtype)), seg, _util.counts(self.ratio, seg),
-            lambda m, k: _util.select(m, k, seed, self.sample_ratio))
+            lambda m, k: _util.select(m, k, seed, self.sample_ratio,
+                                      stage=functools.partial(xla.stage, ctx)))
         values = tf.cast(values, x.dtype)
         if valid is not None:
             values = tf.where(valid, values, tf.zeros([], x.dtype))

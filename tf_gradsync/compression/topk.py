@@ -7,11 +7,12 @@ References:
 
 from __future__ import annotations
 
+import functools
 import math
 
 import tensorflow as tf
 
-from tf_gradsync.compression import _util
+from tf_gradsync.compression import _util, xla
 from tf_gradsync.compression.base import Compressor, Context, register
 
 
@@ -59,7 +60,8 @@ class TopK(_util.SparseDecoding, Compressor):
         finite = _util.all_finite(x)
 
         def exact(m, k):
-            idx, values = _util.top_k_entries(m, k, full=~finite)
+            idx, values = _util.top_k_entries(m, k, full=~finite,
+                                              stage=functools.partial(xla.stage, ctx))
             return idx, None, values
         idx, _, values = _util.top_per_segment(
             tf.cast(x, wd), seg, _util.counts(self.ratio, seg), exact)
