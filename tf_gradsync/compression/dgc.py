@@ -156,28 +156,42 @@ class DGC(_util.SparseDecoding, Compressor):
         if self.clip_norm is not None:
             g = tf.clip_by_norm(g, self.clip_norm / math.sqrt(ctx.num_replicas))
         m = self.momentum
+
         # The elementwise stages around the selection are one loop each, compiled under
-        # `Context.jit_compile`.
-        u_new, v_new = xla.stage(ctx, lambda u, v, g: (m * u + g, v + (m * u + g)),
-                                 u.read_value(), v.read_value(), g)
+        # `Context.jit_compile`, and update u and v in place (compiled, a variable's
+        # update reuses its buffer: 25M entries, one core, the accumulation 26 -> 15 ms
+        # and the masking 12 -> 2.5 ms against new tensors assigned afterwards).
+        def accumulate(g):
+            u.assign(m * u.read_value() + g)
+            v.assign_add(u.read_value())
+        xla.stage(ctx, accumulate, g)
+        v_new = v.read_value()
         values, idx, valid = self._select(v_new, seg, ctx, x.dtype)
         finite = _util.all_finite(v_new)
+        # Read before the masking below writes v, which would otherwise copy it first.
+        norm_sq = sum_of_squares(v_new) if ctx.errors is not None else tf.zeros([], wd)
 
-        def update(u_new, v_new, sent, idx, valid, finite):
+        def mask(sent, idx, valid):
             # Sent entries (valid slots; padding leaves its entry alone) are zeroed in u
             # (momentum factor masking); v keeps v_new less what was sent, which is what
-            # the wire dtype rounded away. A non-finite step resets both.
-            u_new = tf.tensor_scatter_nd_update(
-                u_new, idx[:, None], tf.where(valid, tf.zeros([], wd), tf.gather(u_new, idx)))
-            rest = tf.tensor_scatter_nd_sub(v_new, idx[:, None], sent)
-            # A condition, not a select over the bucket: no pass when all is finite.
-            return tf.cond(finite, lambda: (u_new, rest),
-                           lambda: (tf.zeros_like(u_new), tf.zeros_like(rest)))
-        u_next, rest = xla.stage(ctx, update, u_new, v_new, tf.cast(values, wd), idx, valid,
-                                 finite)
-        u.assign(u_next)
-        v.assign(rest)
-        ctx.record_error(v_new, None, error_sq=tf.where(finite, sum_of_squares(rest), math.nan))
+            # the wire dtype rounded away.
+            u_now = u.read_value()
+            u.assign(tf.tensor_scatter_nd_update(
+                u_now, idx[:, None], tf.where(valid, tf.zeros([], wd), tf.gather(u_now, idx))))
+            v.assign(tf.tensor_scatter_nd_sub(v.read_value(), idx[:, None], sent))
+        with tf.control_dependencies([norm_sq, finite]):
+            xla.stage(ctx, mask, tf.cast(values, wd), idx, valid)
+
+        def reset():
+            # A non-finite step resets both: a condition, not a select over the bucket,
+            # so no pass when all is finite.
+            u.assign(tf.zeros_like(u))
+            v.assign(tf.zeros_like(v))
+            return tf.constant(True)
+        tf.cond(finite, lambda: tf.constant(False), reset)
+        if ctx.errors is not None:
+            ctx.record_error(v_new, None, norm_sq=norm_sq, error_sq=tf.where(
+                finite, sum_of_squares(v.read_value()), math.nan))
         bad = tf.where(finite, tf.constant(0, x.dtype), tf.constant(math.nan, x.dtype))
         return (values + bad, idx), (n, x.dtype)
 
