@@ -175,11 +175,12 @@ class Context:
         norm = sum_of_squares(x) if norm_sq is None else tf.cast(norm_sq, wd)
         self.errors.append((err, norm))
 
-    def keep_residual(self, residual: tf.Variable, x: tf.Tensor, new: tf.Tensor, *,
-                      error_sq: tf.Tensor | None = None,
+    def keep_residual(self, residual: tf.Variable, x: tf.Tensor, new: tf.Tensor | None = None,
+                      *, error_sq: tf.Tensor | None = None,
                       norm_sq: tf.Tensor | None = None) -> None:
         """Stores `new` = x - (what x's payload decodes to) as the error-feedback
         residual, or zeros when it is not finite, and records the compression error.
+        `new` None: the residual already holds it (written in place).
 
         One read of `new` serves both: its squared norm is the compression error, and,
         a sum over every entry, it is not finite exactly when some entry is not (or,
@@ -190,9 +191,15 @@ class Context:
         must be non-finite whenever `new` is.
         """
         if error_sq is None:
-            error_sq = sum_of_squares(new)
-        residual.assign(tf.cond(tf.math.is_finite(error_sq), lambda: new,
-                                lambda: tf.zeros_like(new)))
+            error_sq = sum_of_squares(residual.read_value() if new is None else new)
+        finite = tf.math.is_finite(error_sq)
+        if new is None:
+            def reset():
+                residual.assign(tf.zeros_like(residual))
+                return tf.constant(True)
+            tf.cond(finite, lambda: tf.constant(False), reset)
+        else:
+            residual.assign(tf.cond(finite, lambda: new, lambda: tf.zeros_like(new)))
         self.record_error(x, None, error_sq=error_sq, norm_sq=norm_sq)
 
 

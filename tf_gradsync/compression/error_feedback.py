@@ -81,9 +81,11 @@ class ErrorFeedback(Wrapper):
         payload, meta = xla.compress(self.inner, tf.cast(e, x.dtype), self._inner_ctx(ctx))
         payload = tuple(payload)
 
-        def rest(sent) -> tf.Tensor:
-            return e - tf.cast(self.inner.decompress(sent, meta), residual.dtype)
-        ctx.keep_residual(residual, e, xla.decode(self, ctx, rest, payload))
+        def rest(sent) -> None:
+            # Written in place: compiled, the residual's buffer is reused.
+            residual.assign(e - tf.cast(self.inner.decompress(sent, meta), residual.dtype))
+        xla.decode(self, ctx, rest, payload)
+        ctx.keep_residual(residual, e)
         return payload, meta
 
     def observe(self, reduced: tf.Tensor, ctx: Context) -> None:
