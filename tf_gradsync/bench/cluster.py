@@ -36,8 +36,7 @@ from absl import flags
 
 from tf_gradsync import launch
 from tf_gradsync.algorithms import cost
-from tf_gradsync.bench import (KEEP_BUFFERS_ENV, multiworker, netns,  # noqa: F401  (multiworker: flags)
-                               ops_from_spec)
+from tf_gradsync.bench import KEEP_BUFFERS_ENV, multiworker, netns, ops_from_spec
 
 flags.DEFINE_list("cluster_workers", ["2", "4"], "cluster: worker counts.")
 flags.DEFINE_list("rate", ["1gbit"], "cluster: link rates, tc style (100mbit, 1gbit, 10gbit).")

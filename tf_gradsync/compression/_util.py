@@ -15,7 +15,6 @@ from typing import Sequence
 import numpy as np
 import tensorflow as tf
 
-from tf_gradsync import _tf_compat
 from tf_gradsync.compression import xla
 
 
@@ -248,9 +247,9 @@ def top_k_entries(x: tf.Tensor, k: int, full: tf.Tensor | bool = False,
     so that at least k entries almost surely reach it (`_sample_rank`). When at least k
     do, the top k of those candidates are the top k of the bucket: every entry at or
     above the k-th largest value is a candidate, and candidates keep their index order,
-    so ties resolve as in `tf.math.top_k` (lower index first). There are only a few
-    more candidates than k, so the cheaper ranking is of the few to drop. Otherwise (or
-    when `full` is true, e.g. for non-finite input) the whole bucket is ranked.
+    so ties resolve as in `tf.math.top_k` (lower index first; `_top_of_candidates`).
+    Otherwise (or when `full` is true, e.g. for non-finite input) the whole bucket is
+    ranked.
     Magnitudes are taken where they are read (the sample, the comparison, the
     candidates), and the comparison runs through `stage` (e.g. compiled by XLA, which
     never writes |x| out: 25M entries, one core, 8 ms against 18 as TensorFlow's ops).
@@ -261,8 +260,8 @@ def top_k_entries(x: tf.Tensor, k: int, full: tf.Tensor | bool = False,
       k: number of indices, 1 <= k <= n.
       full: bool scalar tensor (or Python bool): rank the whole bucket.
       min_numel: buckets shorter than this are ranked whole.
-      stage: `stage(fn, *tensors)` runs `fn` on the tensors (`xla.stage`; inline by
-        default).
+      stage: `stage(fn, *tensors)` runs `fn` on the tensors (inline by default;
+        `Context.stage` compiles it when asked).
 
     Returns:
       `(indices, values)`: int32 [k] indices, in no particular order, and x at them.
@@ -360,10 +359,9 @@ def select(x: tf.Tensor, k: int, seed: tf.Tensor, sample_ratio: float,
     s = sample_size(s)
     r = _sample_rank(s, k, n)
     thr = tf.math.top_k(sample_magnitudes(x, s, seed), r, sorted=True).values[r - 1]
-    # At least the smallest normal number: zeros are never candidates, and |x| is
-    # compared once instead of written out and compared twice (top_k_entries).
-    chosen = stage(_reach, x, tf.maximum(thr, tf.constant(np.finfo(x.dtype.as_numpy_dtype).tiny,
-                                                          x.dtype)))
+    # At least the smallest normal number: zeros are never candidates.
+    tiny = tf.constant(np.finfo(x.dtype.as_numpy_dtype).tiny, x.dtype)
+    chosen = stage(_reach, x, tf.maximum(thr, tiny))
     cand = tf.cast(tf.where(chosen)[:, 0], tf.int32)
 
     def ranked():
@@ -632,13 +630,13 @@ def counts(ratio: float, seg: Segments) -> list[int]:
 LARGE = 1 << 15
 
 
-def top_per_segment(x: tf.Tensor, seg: Segments, ks, large=None):
+def top_per_segment(x: tf.Tensor, seg: Segments, ks, large):
     """Indices and values of the `ks[t]` largest magnitudes of each segment of `x`.
 
     Segments whose k is their size are sent whole; short segments are grouped by size
     class (up to the next power of two) and ranked together by one `top_k` per class;
-    long ones go through `large(x_segment, k) -> (indices, valid or None, values)`, by
-    default the exact `top_k_entries`. Ties go to the lower index, as in `tf.math.top_k`.
+    long ones go through `large(x_segment, k) -> (indices, valid or None, values)` (e.g.
+    `top_k_entries` or `select`). Ties go to the lower index, as in `tf.math.top_k`.
 
     Args:
       x: 1-D values, static length `seg.numel`.
@@ -650,10 +648,6 @@ def top_per_segment(x: tf.Tensor, seg: Segments, ks, large=None):
       `(indices, valid, values)`: int32 [sum(ks)] bucket indices, a bool mask of the
       entries that hold a selection (None when all do), and x at the indices.
     """
-    def exact(m, k):
-        idx, values = top_k_entries(m, k)
-        return idx, None, values
-    large = large or exact
     idx_parts, valid_parts, value_parts = [], [], []
     whole = [t for t in range(seg.count) if ks[t] == seg.sizes[t]]
     if whole:
@@ -701,7 +695,7 @@ def top_per_segment(x: tf.Tensor, seg: Segments, ks, large=None):
 
 
 def random_per_segment(seed: tf.Tensor, seg: Segments, ks, step: tf.Tensor | None = None,
-                       stage=None) -> tuple[tf.Tensor, tf.Tensor]:
+                       stage=_inline) -> tuple[tf.Tensor, tf.Tensor]:
     """`ks[t]` distinct indices of each segment, one from each of `ks[t]` strata, in
     O(sum(ks)) elementwise work.
 
@@ -724,8 +718,8 @@ def random_per_segment(seed: tf.Tensor, seg: Segments, ks, step: tf.Tensor | Non
     three passes over K integers instead of twenty (25M elements: 34 ms against 260).
 
     The draws are Philox's, made by TensorFlow (the same on every kind of device, and
-    XLA's CPU code draws them slower); `stage(fn, *tensors)`, if given, runs the
-    arithmetic after them, e.g. compiled (`xla.stage`): a random-k of 25M entries at
+    XLA's CPU code draws them slower); `stage(fn, *tensors)` runs the arithmetic after
+    them (inline by default; `Context.stage` compiles it when asked): a random-k of 25M entries at
     ratio 0.3 (strata of 3 or 4), one core, 0.57 -> 0.7 GB/s.
 
     Returns:
@@ -734,7 +728,6 @@ def random_per_segment(seed: tf.Tensor, seg: Segments, ks, step: tf.Tensor | Non
       it); the same for the same seed on every device.
     """
     seed = tf.cast(seed, tf.int64)
-    stage = stage or (lambda fn, *args: fn(*args))
     ks = np.asarray(ks, np.int64)
     total = int(ks.sum())
     sizes = np.asarray(seg.sizes, np.int64)

@@ -154,6 +154,11 @@ class Context:
         seed = tf.convert_to_tensor(self.seed, tf.int64)
         return seed + tf.constant([0, (self.replica + 1) * 0x9E3779B1], tf.int64)
 
+    def stage(self, fn, *args):
+        """`xla.stage` in this context: `fn(*args)` compiled when it asks for it (for
+        helpers that take a stage to run, e.g. `_util.select`)."""
+        return xla.stage(self, fn, *args)
+
     def record_error(self, x: tf.Tensor, approx: tf.Tensor | None, *,
                      error_sq: tf.Tensor | None = None,
                      norm_sq: tf.Tensor | None = None) -> None:
@@ -271,7 +276,7 @@ class Compressor(abc.ABC):
       * `xla_decode`: its decodings (`decompress`, `combine`, `decode_chunks`) compile
         with XLA into fused loops, which the pipeline asks for (`Context.jit_compile`);
         `xla_compress`: its `compress` does (its meta holds no tensors); one whose
-        statistics are reductions compiles the stage after them (`xla.stage`).
+        statistics are reductions compiles the stage after them (`Context.stage`).
       * `accuracy`: what its library defaults cost in accuracy, from the convergence
         matrix (BENCHMARKS.md): "lossless" (as uncompressed training), "balanced"
         (within about a point on every measured recipe) or "aggressive" (more on

@@ -7,14 +7,12 @@ References:
 
 from __future__ import annotations
 
-import functools
-
 import math
 from typing import Any
 
 import tensorflow as tf
 
-from tf_gradsync.compression import _util, xla
+from tf_gradsync.compression import _util
 from tf_gradsync.compression.base import (Compressor, Context, Layout, StateSpec,
                                           optimizer_config, optimizer_momentum, register,
                                           sum_of_squares)
@@ -164,7 +162,7 @@ class DGC(_util.SparseDecoding, Compressor):
         def accumulate(g):
             u.assign(m * u.read_value() + g)
             v.assign_add(u.read_value())
-        xla.stage(ctx, accumulate, g)
+        ctx.stage(accumulate, g)
         v_new = v.read_value()
         values, idx, valid = self._select(v_new, seg, ctx, x.dtype)
         finite = _util.all_finite(v_new)
@@ -180,7 +178,7 @@ class DGC(_util.SparseDecoding, Compressor):
                 u_now, idx[:, None], tf.where(valid, tf.zeros([], wd), tf.gather(u_now, idx))))
             v.assign(tf.tensor_scatter_nd_sub(v.read_value(), idx[:, None], sent))
         with tf.control_dependencies([norm_sq, finite]):
-            xla.stage(ctx, mask, tf.cast(values, wd), idx, valid)
+            ctx.stage(mask, tf.cast(values, wd), idx, valid)
 
         def reset():
             # A non-finite step resets both: a condition, not a select over the bucket,
@@ -202,7 +200,7 @@ class DGC(_util.SparseDecoding, Compressor):
         idx, valid, values = _util.top_per_segment(
             v, seg, _util.counts(self.ratios[ctx.mode], seg),
             lambda m, k: _util.select(m, k, seed, self.sample_ratio,
-                                      stage=functools.partial(xla.stage, ctx)))
+                                      stage=ctx.stage))
         if valid is None:
             valid = tf.ones_like(idx, tf.bool)
         return tf.cast(tf.where(valid, values, 0), dtype), idx, valid

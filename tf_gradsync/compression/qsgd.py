@@ -11,7 +11,7 @@ from typing import Sequence
 
 import tensorflow as tf
 
-from tf_gradsync.compression import _util, xla
+from tf_gradsync.compression import _util
 from tf_gradsync.compression.base import Compressor, Context, register
 
 
@@ -70,7 +70,7 @@ class QSGD(Compressor):
             a = seg.apply(tf.math.divide_no_nan, tf.abs(v) * self.levels, norm)
             level = tf.minimum(tf.floor(a + _util.uniform(seg.numel, seed, wd)), self.levels)
             return tf.cast(tf.sign(v) * level, tf.int8)
-        q = xla.stage(ctx, quantise, v, norm, seed)
+        q = ctx.stage(quantise, v, norm, seed)
         # A chunk's sum of squares is not finite when one of its entries is not (or
         # overflows, treated alike): checking the norms reads a chunk's worth of entries.
         return (q, norm + _util.poison(norm_sq, wd)), (seg, x.dtype)

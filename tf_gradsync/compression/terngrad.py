@@ -13,7 +13,7 @@ from typing import Sequence
 
 import tensorflow as tf
 
-from tf_gradsync.compression import _util, xla
+from tf_gradsync.compression import _util
 from tf_gradsync.compression.base import Compressor, Context, divides_by_rms, register
 from tf_gradsync.compression.int8 import Int8
 
@@ -123,7 +123,7 @@ class TernGrad(Compressor):
             keep = _util.uniform(seg.numel, seed, wd) < seg.apply(
                 tf.math.divide_no_nan, tf.abs(v), scale)
             return _util.pack(tf.where(keep, tf.where(v > 0, 1, 2), 0), 2)
-        packed = xla.stage(ctx, encode, v, scale, bound, ctx.replica_seed())
+        packed = ctx.stage(encode, v, scale, bound, ctx.replica_seed())
         return (packed, scale + _util.poison(check, wd)), (seg, x.dtype)
 
     def decompress(self, payload: Sequence[tf.Tensor], meta) -> tf.Tensor:

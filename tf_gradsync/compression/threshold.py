@@ -7,11 +7,9 @@ References:
 
 from __future__ import annotations
 
-import functools
-
 import tensorflow as tf
 
-from tf_gradsync.compression import _util, xla
+from tf_gradsync.compression import _util
 from tf_gradsync.compression.base import Compressor, Context, register
 
 
@@ -64,7 +62,7 @@ class Threshold(_util.SparseDecoding, Compressor):
         idx, valid, values = _util.top_per_segment(
             tf.cast(x, _util.work_dtype(x.dtype)), seg, _util.counts(self.ratio, seg),
             lambda m, k: _util.select(m, k, seed, self.sample_ratio,
-                                      stage=functools.partial(xla.stage, ctx)))
+                                      stage=ctx.stage))
         values = tf.cast(values, x.dtype)
         if valid is not None:
             values = tf.where(valid, values, tf.zeros([], x.dtype))

@@ -7,12 +7,11 @@ References:
 
 from __future__ import annotations
 
-import functools
 import math
 
 import tensorflow as tf
 
-from tf_gradsync.compression import _util, xla
+from tf_gradsync.compression import _util
 from tf_gradsync.compression.base import Compressor, Context, register
 
 
@@ -61,7 +60,7 @@ class TopK(_util.SparseDecoding, Compressor):
 
         def exact(m, k):
             idx, values = _util.top_k_entries(m, k, full=~finite,
-                                              stage=functools.partial(xla.stage, ctx))
+                                              stage=ctx.stage)
             return idx, None, values
         idx, _, values = _util.top_per_segment(
             tf.cast(x, wd), seg, _util.counts(self.ratio, seg), exact)
