@@ -1288,8 +1288,9 @@ def _layout_sizes(sizes):
     lambda: _util.Segments(list(range(1, 600))),                # several id pieces
     lambda: _util.Segments.chunks(_layout_sizes([40000, 3, 517, 20000]), 16),   # blocks
     lambda: _util.Segments.chunks(_layout_sizes([4096, 4096]), 512),            # regular
+    lambda: _util.Segments.chunks(_layout_sizes([40007]), 32),      # one tensor's blocks
     lambda: _util.Segments([1000]),                                             # one
-], ids=["small", "long_runs", "id_pieces", "blocks", "regular", "one"])
+], ids=["small", "long_runs", "id_pieces", "blocks", "regular", "short_last", "one"])
 def test_segment_statistics_match_numpy(make):
     """Per-segment sums, extremes, means, sums of squares and expansion against numpy,
     for each way a bucket is cut into pieces (reshaped runs, segment reductions over id
@@ -1329,6 +1330,13 @@ def test_segment_statistics_match_numpy(make):
         np.testing.assert_array_equal(run(lambda b, s: seg.apply(pick, b, s), bits, two),
                                       np.where(v > 0, want, -want).astype(np.float32)
                                       if seg.count > 1 else np.where(v > 0, 0.5, -0.5))
+        # Both axes: stacked payloads' sides, as a gather's decoding sums them.
+        np.testing.assert_array_equal(
+            run(lambda b, s: seg.apply(pick, b, s), tf.stack([bits, ~bits]),
+                tf.stack([two, 2 * two])),
+            np.stack([np.where(v > 0, want, -want), np.where(v > 0, -2 * want, 2 * want)])
+            .astype(np.float32) if seg.count > 1 else
+            np.stack([np.where(v > 0, 0.5, -0.5), np.where(v > 0, -1.0, 1.0)]))
     expanded = seg.expand(two, axis=0).numpy()
     np.testing.assert_array_equal(expanded, np.stack([want, -want], -1) if seg.count > 1
                                   else [[0.5, -0.5]])
