@@ -1337,6 +1337,18 @@ def test_segment_statistics_match_numpy(make):
             np.stack([np.where(v > 0, want, -want), np.where(v > 0, -2 * want, 2 * want)])
             .astype(np.float32) if seg.count > 1 else
             np.stack([np.where(v > 0, 0.5, -0.5), np.where(v > 0, -1.0, 1.0)]))
+    # Compiled within `xla.summing_payloads`: summed over the leading axis, as a gather's
+    # decoding takes it.
+    def summed(fn, x, p):
+        with xla.summing_payloads():
+            return seg.apply(fn, x, p)
+    np.testing.assert_allclose(xla.call(lambda x, p: summed(tf.multiply, x, p), lead,
+                                        tf.stack([per, per])), want2.sum(0), rtol=1e-6)
+    sides = np.where(v > 0, want, -want) - 2 * np.where(v > 0, want, -want)
+    np.testing.assert_allclose(
+        xla.call(lambda b, s: summed(pick, b, s), tf.stack([bits, bits]),
+                 tf.stack([two, -2 * two])),
+        sides if seg.count > 1 else np.where(v > 0, -0.5, 0.5), rtol=1e-6)
     expanded = seg.expand(two, axis=0).numpy()
     np.testing.assert_array_equal(expanded, np.stack([want, -want], -1) if seg.count > 1
                                   else [[0.5, -0.5]])

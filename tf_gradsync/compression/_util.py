@@ -512,10 +512,16 @@ class Segments:
         bucket, one pass instead of two.
 
         `v` may have leading axes (`[..., numel]`, e.g. several replicas' decodes),
-        `per_segment` the same ones before its segment axis (`[..., count, ...]`)."""
+        `per_segment` the same ones before its segment axis (`[..., count, ...]`).
+        Compiled within `xla.summing_payloads`, the result is summed over those axes,
+        piece by piece."""
         lead = v.shape[:-1]
+        summing = xla.summing() and len(lead) > 0
+
+        def done(result):
+            return tf.reduce_sum(result, list(range(len(lead)))) if summing else result
         if self.count == 1:
-            return fn(v, per_segment)
+            return done(fn(v, per_segment))
         (size, repeat), last = self.runs[0], self.runs[1:]
         if (xla.tracing() and per_segment.shape.rank > len(lead) + 1 and len(last) == 1
                 and last[0][0] < size and last[0][1] == 1):
@@ -528,8 +534,9 @@ class Segments:
             rows = fn(tf.reshape(tf.pad(v, [[0, 0]] * len(lead) + [[0, pad]]),
                                  [*lead, repeat + 1, size]),
                       tf.expand_dims(per_segment, len(lead) + 1))
-            return tf.reshape(rows, [*lead, -1])[..., :self.numel]
-        if xla.tracing() and len(self._pieces) > 1 and per_segment.shape.rank == len(lead) + 1:
+            return done(tf.reshape(rows, [*lead, -1])[..., :self.numel])
+        if (xla.tracing() and not summing and len(self._pieces) > 1
+                and per_segment.shape.rank == len(lead) + 1):
             # XLA fuses the expansion into `fn`'s loop; `fn` applied per piece and the
             # pieces concatenated instead can cost XLA's CPU code 30x (a uniform draw in
             # QSGD's rounding: 25M entries in 700 ms against 25). One piece stays in
@@ -545,9 +552,9 @@ class Segments:
             if piece.ids is None:
                 rows = fn(tf.reshape(part, [*lead, piece.count, -1]),
                           tf.expand_dims(values, axis + 1))
-                out.append(tf.reshape(rows, [*lead, -1]))
+                out.append(done(tf.reshape(rows, [*lead, -1])))
             else:
-                out.append(fn(part, tf.gather(values, tf.constant(piece.ids), axis=axis)))
+                out.append(done(fn(part, tf.gather(values, tf.constant(piece.ids), axis=axis))))
         return out[0] if len(out) == 1 else tf.concat(out, -1)
 
     def expand(self, per_segment: tf.Tensor, axis: int = 0) -> tf.Tensor:

@@ -379,6 +379,11 @@ class Compressor(abc.ABC):
         """Decodes what a one-round exchange delivered into the reduced bucket."""
         if self.summable:
             return self.decompress(received, meta)
+        if self.batched_decode and len(received) > 1 and xla.tracing():
+            # Compiled, the stacked payloads are decoded and summed piece by piece.
+            with xla.summing_payloads():
+                summed = self.decompress(tuple(tf.stack(ts) for ts in zip(*received)), meta)
+            return summed if summed.shape.rank == 1 else tf.reduce_sum(summed, 0)
         if len(received) <= 2:  # a + b == b + a: one add is the same sum everywhere
             parts = [self.decompress(p, meta) for p in received]
             return parts[0] if len(parts) == 1 else parts[0] + parts[1]

@@ -21,6 +21,7 @@ strata and gather are two (12.5M of 25M entries: 57 ms gathered by TensorFlow, 1
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Any, Callable
 
@@ -32,6 +33,26 @@ _tracing = threading.local()
 def tracing() -> bool:
     """True while `call` traces: a decoding may then pick the form XLA runs fastest."""
     return getattr(_tracing, "depth", 0) > 0
+
+
+@contextlib.contextmanager
+def summing_payloads():
+    """Within it, while tracing (`call`), `Segments.apply` sums its result over the
+    leading axes (a gather's payloads, stacked) piece by piece, and returns the sum:
+    a loop per piece of the bucket with the sum in it, instead of one over every
+    payload's decode followed by a reduction (4 sign payloads of a 9M bucket of 56
+    tensors summed, one core: 30 -> 17 ms)."""
+    before = getattr(_tracing, "summing", False)
+    _tracing.summing = True
+    try:
+        yield
+    finally:
+        _tracing.summing = before
+
+
+def summing() -> bool:
+    """Whether `Segments.apply` sums over the leading axes (`summing_payloads`)."""
+    return tracing() and getattr(_tracing, "summing", False)
 
 
 def call(fn: Callable[..., Any], *args) -> Any:
@@ -92,4 +113,4 @@ def decode(compressor, ctx, fn: Callable[..., tf.Tensor], *args) -> tf.Tensor:
     return fn(*args)
 
 
-__all__ = ["call", "compress", "decode", "stage", "tracing"]
+__all__ = ["call", "compress", "decode", "stage", "summing", "summing_payloads", "tracing"]
