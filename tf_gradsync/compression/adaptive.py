@@ -14,7 +14,7 @@ import tensorflow as tf
 
 from tf_gradsync.compression import _util
 from tf_gradsync.compression.base import (Compressor, Context, Layout, StateSpec, get, register,
-                                          sum_of_squares)
+                                          sum_of_squares, when)
 from tf_gradsync.compression.randomk import RandomK
 from tf_gradsync.compression.threshold import Threshold
 from tf_gradsync.compression.topk import TopK
@@ -147,11 +147,7 @@ class Adaptive(Compressor):
         s = ctx.state
         g = tf.cast(reduced, s["accum"].dtype)
         finite = _util.all_finite(g)     # a NaN/Inf step is skipped
-
-        def add():
-            s["accum"].assign_add(g)
-            return tf.constant(True)
-        tf.cond(finite, add, lambda: tf.constant(False))
+        when(finite, lambda: s["accum"].assign_add(g))
         count = s["count"] + tf.cast(finite, tf.int64)
 
         def decide():

@@ -199,13 +199,20 @@ class Context:
             error_sq = sum_of_squares(residual.read_value() if new is None else new)
         finite = tf.math.is_finite(error_sq)
         if new is None:
-            def reset():
-                residual.assign(tf.zeros_like(residual))
-                return tf.constant(True)
-            tf.cond(finite, lambda: tf.constant(False), reset)
+            when(~finite, lambda: residual.assign(tf.zeros_like(residual)))
         else:
             residual.assign(tf.cond(finite, lambda: new, lambda: tf.zeros_like(new)))
         self.record_error(x, None, error_sq=error_sq, norm_sq=norm_sq)
+
+
+def when(pred: tf.Tensor, fn: Callable[[], Any]) -> None:
+    """Runs `fn` (state updates) only when the bool scalar `pred` holds: a condition,
+    not a select over a bucket, so a step that does not need the update makes no pass
+    over memory for it."""
+    def run():
+        fn()
+        return tf.constant(True)
+    tf.cond(pred, run, lambda: tf.constant(False))
 
 
 def sum_of_squares(x: tf.Tensor) -> tf.Tensor:

@@ -15,7 +15,7 @@ import tensorflow as tf
 from tf_gradsync.compression import _util
 from tf_gradsync.compression.base import (Compressor, Context, Layout, StateSpec,
                                           optimizer_config, optimizer_momentum, register,
-                                          sum_of_squares)
+                                          sum_of_squares, when)
 
 
 @register("dgc")
@@ -180,13 +180,8 @@ class DGC(_util.SparseDecoding, Compressor):
         with tf.control_dependencies([norm_sq, finite]):
             ctx.stage(mask, tf.cast(values, wd), idx, valid)
 
-        def reset():
-            # A non-finite step resets both: a condition, not a select over the bucket,
-            # so no pass when all is finite.
-            u.assign(tf.zeros_like(u))
-            v.assign(tf.zeros_like(v))
-            return tf.constant(True)
-        tf.cond(finite, lambda: tf.constant(False), reset)
+        # A non-finite step resets both.
+        when(~finite, lambda: (u.assign(tf.zeros_like(u)), v.assign(tf.zeros_like(v))))
         if ctx.errors is not None:
             ctx.record_error(v_new, None, norm_sq=norm_sq, error_sq=tf.where(
                 finite, sum_of_squares(v.read_value()), math.nan))
