@@ -523,25 +523,21 @@ class Segments:
         if self.count == 1:
             return done(fn(v, per_segment))
         (size, repeat), last = self.runs[0], self.runs[1:]
-        if (xla.tracing() and per_segment.shape.rank > len(lead) + 1 and not last):
-            # Equal blocks, values with trailing axes: as below with a row of zeros
-            # added to both, which XLA runs in the padded form's loop (4 onebit payloads
-            # of 2240^2 entries summed, one core: 12 ms as rows, 5 padded).
-            per_segment = tf.pad(per_segment, [[0, 0]] * len(lead) + [[0, 1]] + [[0, 0]] * (
-                per_segment.shape.rank - len(lead) - 1))
-            last = ((0, 1),)
-        if (xla.tracing() and per_segment.shape.rank > len(lead) + 1 and len(last) == 1
-                and last[0][0] < size and last[0][1] == 1):
-            # Equal blocks but a shorter last one (a tensor cut into chunks), with values
-            # that have trailing axes (onebit's two sides): the bucket padded to whole
-            # rows, which XLA fuses into `fn`'s loop, instead of two pieces (4 onebit
-            # payloads of 2236^2 entries summed, one core: 20 ms in pieces, 5 padded; 2
-            # payloads: 25 and 5.5).
-            pad = (repeat + 1) * size - self.numel
-            rows = fn(tf.reshape(tf.pad(v, [[0, 0]] * len(lead) + [[0, pad]]),
-                                 [*lead, repeat + 1, size]),
-                      tf.expand_dims(per_segment, len(lead) + 1))
-            return done(tf.reshape(rows, [*lead, -1])[..., :self.numel])
+        if (xla.tracing() and per_segment.shape.rank > len(lead) + 1
+                and (not last or (len(last) == 1 and last[0][0] < size and last[0][1] == 1))):
+            # Equal blocks, the last one maybe shorter (a tensor cut into chunks), with
+            # values that have trailing axes (onebit's two sides): the bucket padded to
+            # whole rows and one more (the values too), which XLA fuses into `fn`'s
+            # loop, instead of two pieces or plain rows (4 onebit payloads summed, one
+            # core: 2236^2 entries 20 ms in pieces, 5 padded; 2240^2 12 ms as rows, 3.9
+            # padded).
+            rows = repeat + 1
+            values = tf.pad(per_segment, [[0, 0]] * len(lead) + [[0, rows - self.count]]
+                            + [[0, 0]] * (per_segment.shape.rank - len(lead) - 1))
+            out = fn(tf.reshape(tf.pad(v, [[0, 0]] * len(lead) + [[0, rows * size - self.numel]]),
+                                [*lead, rows, size]),
+                     tf.expand_dims(values, len(lead) + 1))
+            return done(tf.reshape(out, [*lead, -1])[..., :self.numel])
         if (xla.tracing() and not summing and len(self._pieces) > 1
                 and per_segment.shape.rank == len(lead) + 1):
             # XLA fuses the expansion into `fn`'s loop; `fn` applied per piece and the
