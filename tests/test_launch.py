@@ -77,6 +77,30 @@ def test_print_tf_config_for_hosts():
     assert cfg == {"cluster": {"worker": ["a:2222", "b:2223"]}, "task": {"type": "worker", "index": 1}}
 
 
+@pytest.mark.parametrize("flags,env,expected", [
+    ([], {}, str(max(1, len(os.sched_getaffinity(0)) // 3))),   # the cores shared out
+    (["--threads_per_worker=0"], {}, None),                         # TensorFlow's default
+    (["--threads_per_worker=5"], {launch.THREADS_ENV: "7"}, "5"),
+    ([], {launch.THREADS_ENV: "7"}, "7"),                           # the user's setting kept
+])
+def test_workers_share_the_cores_between_their_thread_pools(tmp_path, flags, env, expected):
+    script = tmp_path / "w.py"
+    script.write_text(f"import os; print(os.environ.get({launch.THREADS_ENV!r}))")
+    base = {k: v for k, v in ENV.items() if k != launch.THREADS_ENV}
+    out = subprocess.run([sys.executable, "-m", "tf_gradsync.launch", "--num_workers=3", *flags,
+                          "--", str(script)], env=dict(base, **env), capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert [l.split()[1] for l in out.stdout.splitlines()] == [str(expected)] * 3
+
+
+def test_thread_env():
+    assert launch.thread_env(4, 2) == {launch.THREADS_ENV: "2"}
+    assert launch.thread_env(4, 0) == {}
+    assert launch.thread_env(10 ** 6) == ({} if launch.THREADS_ENV in os.environ
+                                          else {launch.THREADS_ENV: "1"})
+
+
 @pytest.mark.parametrize("args,message", [
     (["--num_workers=0", "--", "x.py"], "--num_workers must be >= 1, got 0"),
     (["--num_workers=2", "--port=70000", "--", "x.py"], "--port must be in 1..65533, got 70000"),
@@ -84,6 +108,8 @@ def test_print_tf_config_for_hosts():
     (["--num_workers=2", "--grace_seconds=0", "--", "x.py"],
      "--grace_seconds must be a finite number > 0, got 0.0"),
     (["--num_workers=2"], "give the worker command after --"),
+    (["--num_workers=2", "--threads_per_worker=-1", "--", "x.py"],
+     "--threads_per_worker must be >= 0, got -1"),
 ])
 def test_bad_flags(args, message, capsys):
     with pytest.raises(SystemExit):

@@ -17,6 +17,15 @@ resume from a backup (e.g. Keras `BackupAndRestore`). When the last attempt fail
 launcher exits with its code. `--attempt_timeout` bounds each attempt; one that runs
 longer is stopped and counts as failed (exit code 124).
 
+The workers share this machine's cores, so each gets its share of them for
+TensorFlow's intra-op thread pool (`TF_NUM_INTRAOP_THREADS`: cores // N, at least 1,
+unless the environment sets it; `--threads_per_worker` overrides, 0 keeps TensorFlow's
+default of every core). Every worker's parallel ops, XLA's loops included, split their
+work over that pool and wait for its slowest part: with more threads than cores
+across the workers, a part whose thread is not running holds the op up. 8 workers on 2
+cores, a 1M-parameter model, loopback: int8's step 0.141 -> 0.095 s, QSGD's 0.222 ->
+0.101, stock's 0.113 -> 0.099 (BENCHMARKS.md).
+
 For several machines, `--print_tf_config --hosts=h1,h2 --port=P` prints the TF_CONFIG to
 export on each host. Worker addresses are 127.0.0.1 (and free ports are probed there)
 unless `--hosts` says otherwise. TensorFlow's gRPC server is unauthenticated and
@@ -41,6 +50,8 @@ from typing import Sequence
 
 #: Set in every worker's environment: the attempt it belongs to (0, then 1.. on restarts).
 ATTEMPT_ENV = "TF_GRADSYNC_ATTEMPT"
+#: The variable giving each worker's TensorFlow its intra-op threads (`thread_env`).
+THREADS_ENV = "TF_NUM_INTRAOP_THREADS"
 #: Exit code of an attempt stopped by `--attempt_timeout` (as coreutils' `timeout`).
 TIMEOUT_CODE = 124
 _HOST = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+)$")
@@ -89,6 +100,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--attempt_timeout", type=float, default=None,
                    help="stop an attempt that runs longer than this many seconds (> 0); it "
                         f"counts as failed with exit code {TIMEOUT_CODE} (default: no limit)")
+    p.add_argument("--threads_per_worker", type=int, default=None,
+                   help=f"intra-op threads of each worker's TensorFlow (>= 0; default: "
+                        f"${THREADS_ENV} if set, else this machine's cores // num_workers, at "
+                        "least 1; 0: TensorFlow's default, every core)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- script.py [args]")
     args = p.parse_args(argv)
     if args.command and args.command[0] == "--":
@@ -99,6 +114,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         p.error(f"--port must be in 1..{65535 - args.num_workers}, got {args.port}")
     if not 0 < args.grace_seconds < math.inf:
         p.error(f"--grace_seconds must be a finite number > 0, got {args.grace_seconds}")
+    if args.threads_per_worker is not None and args.threads_per_worker < 0:
+        p.error(f"--threads_per_worker must be >= 0, got {args.threads_per_worker}")
     if args.restarts < 0:
         p.error(f"--restarts must be >= 0, got {args.restarts}")
     if args.attempt_timeout is not None and not 0 < args.attempt_timeout < math.inf:
@@ -119,13 +136,36 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     return args
 
 
+def thread_env(workers: int, threads: int | None = None) -> dict[str, str]:
+    """The environment that sizes each of `workers` local workers' intra-op thread pool:
+    `threads` (0: none, TensorFlow's default), or, when None, what the environment
+    already sets, else this process's cores // workers (at least 1).
+
+    Args:
+      workers: workers started on this machine (>= 1).
+      threads: threads per worker, or None for the default.
+
+    Returns:
+      `{THREADS_ENV: "k"}`, or {} to leave TensorFlow's default.
+
+    Example:
+      >>> thread_env(8, 1)
+      {'TF_NUM_INTRAOP_THREADS': '1'}
+    """
+    if threads is None:
+        if THREADS_ENV in os.environ:
+            return {}
+        threads = max(1, len(os.sched_getaffinity(0)) // workers)
+    return {THREADS_ENV: str(threads)} if threads else {}
+
+
 class Job:
     """A set of worker processes that live and die together."""
 
     def __init__(self, command: Sequence[str], configs: Sequence[dict], grace_seconds: float,
                  out=sys.stdout, prefixes: Sequence[Sequence[str]] | None = None,
-                 env: dict[str, str] | None = None):
-        """Starts one `python command` per TF_CONFIG in `configs`.
+                 env: dict[str, str] | None = None, threads: int | None = None):
+        """Starts one `python command` per TF_CONFIG in `configs`, all on this machine.
 
         Args:
           command: the Python arguments (script or `-m module`, then its flags).
@@ -134,13 +174,18 @@ class Job:
           out: where the rank-prefixed output lines go.
           prefixes: per worker, a command that runs Python (e.g. `ip netns exec NS`).
           env: variables added to this process's environment for every worker.
+          threads: intra-op threads per worker (`thread_env`; None: cores // workers
+            unless the environment or `env` sets them, 0: TensorFlow's default).
         """
         self.grace_seconds = grace_seconds
         self._out = out
         self._lock = threading.Lock()
         self.procs: list[subprocess.Popen] = []
+        env = dict(env or {})
+        if THREADS_ENV not in env:
+            env.update(thread_env(len(configs), threads))
         for rank, cfg in enumerate(configs):
-            wenv = dict(os.environ, **(env or {}), TF_CONFIG=json.dumps(cfg), PYTHONUNBUFFERED="1")
+            wenv = dict(os.environ, **env, TF_CONFIG=json.dumps(cfg), PYTHONUNBUFFERED="1")
             prefix = list(prefixes[rank]) if prefixes else []
             proc = subprocess.Popen([*prefix, sys.executable, *command], env=wenv,
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -236,7 +281,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             # Free ports are probed again for every attempt: the previous attempt's may
             # still be held by sockets in TIME_WAIT.
             job = Job(args.command, tf_configs(addresses()), args.grace_seconds,
-                      env={ATTEMPT_ENV: str(attempt)})
+                      env={ATTEMPT_ENV: str(attempt)}, threads=args.threads_per_worker)
             if received:      # a signal that arrived while the workers were starting
                 job.stop()
                 break
