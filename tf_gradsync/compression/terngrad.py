@@ -122,8 +122,13 @@ class TernGrad(Compressor):
                               v, bound)
             keep = _util.uniform(seg.numel, seed, wd) < seg.apply(
                 tf.math.divide_no_nan, tf.abs(v), scale)
-            return _util.pack(tf.where(keep, tf.where(v > 0, 1, 2), 0), 2)
-        packed = ctx.stage(encode, v, scale, bound, ctx.replica_seed())
+            codes = tf.where(keep, tf.where(v > 0, 1, 2), 0)
+            # The whole bytes and the last, partial one apart, joined outside the
+            # compiled stage: XLA's CPU code ran a loop of draws that fed a padding or a
+            # join of its output up to 20x slower (1M + 1 entries: 28 ms against 1.5).
+            whole = seg.numel - seg.numel % 4
+            return _util.pack(codes[:whole], 2), _util.pack(codes[whole:], 2)
+        packed = tf.concat(ctx.stage(encode, v, scale, bound, ctx.replica_seed()), 0)
         return (packed, scale + _util.poison(check, wd)), (seg, x.dtype)
 
     def decompress(self, payload: Sequence[tf.Tensor], meta) -> tf.Tensor:
