@@ -155,7 +155,9 @@ def thread_env(workers: int, threads: int | None = None) -> dict[str, str]:
     if threads is None:
         if THREADS_ENV in os.environ:
             return {}
-        threads = max(1, len(os.sched_getaffinity(0)) // workers)
+        cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                 else os.cpu_count() or 1)
+        threads = max(1, cores // workers)
     return {THREADS_ENV: str(threads)} if threads else {}
 
 
