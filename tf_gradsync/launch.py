@@ -136,6 +136,14 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     return args
 
 
+def cores() -> int:
+    """The cores this process may run on (its affinity mask where the OS has one): what
+    the local workers share."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def thread_env(workers: int, threads: int | None = None) -> dict[str, str]:
     """The environment that sizes each of `workers` local workers' intra-op thread pool:
     `threads` (0: none, TensorFlow's default), or, when None, what the environment
@@ -155,9 +163,7 @@ def thread_env(workers: int, threads: int | None = None) -> dict[str, str]:
     if threads is None:
         if THREADS_ENV in os.environ:
             return {}
-        cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                 else os.cpu_count() or 1)
-        threads = max(1, cores // workers)
+        threads = max(1, cores() // workers)
     return {THREADS_ENV: str(threads)} if threads else {}
 
 

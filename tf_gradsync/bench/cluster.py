@@ -114,7 +114,7 @@ def measure(n: int, rate: str, modes: Sequence[str], params: int, steps: int,
     Raises:
       RuntimeError: if a run fails or times out (with the workers' last output).
     """
-    cores = os.cpu_count() or 1
+    cores = launch.cores()     # as the launcher shares them out among the workers
     load = os.getloadavg()[0]
     _log(f"{n} workers at {rate}: {cores} CPU cores shared by {n} workers (load average "
          f"{load:.1f} before starting); step times include that contention")
