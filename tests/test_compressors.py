@@ -461,6 +461,32 @@ def test_randomk_equal_strata_one_entry_each_uniformly(ratio, stride):
     assert np.all(np.abs(pairs - q) < 5 * math.sqrt(q) + 1), pairs
 
 
+@pytest.mark.parametrize("stride", [1, 2, 4, 32])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_strided_coordinates_take_and_place_as_listed_indices(stride, compiled):
+    """Tiled strata keep only their Philox words; what they take and place is what a
+    gather at, and a placement to, the listed indices i * stride + offset give."""
+    seg = _util.Segments.of(C.Layout(((64, 32), (96,))))
+    ks = [s // stride for s in seg.sizes]
+    x = tf.constant(np.random.default_rng(stride).normal(size=seg.numel), tf.float32)
+    drawn = _util.random_per_segment(tf.constant([3, stride], tf.int64), seg, ks)
+    assert drawn.indices is None and drawn.stride == stride
+    k = seg.numel // stride
+    offsets = (np.zeros(k, np.int64) if stride == 1 else
+               _util._fields(drawn.words, k, stride.bit_length() - 1).numpy())
+    indices = np.arange(k) * stride + offsets
+    listed = _util.Drawn(seg.numel, drawn.lengths, indices=tf.constant(indices, tf.int32))
+    run = xla.call if compiled else (lambda fn, *a: fn(*a))
+    plus = tf.constant(0.5)
+    for d in (drawn, listed):
+        got = run(lambda x, p: d.take(x, plus=p), x, plus).numpy()
+        np.testing.assert_array_equal(got, x.numpy()[indices] + 0.5)
+        dense = run(lambda v: d.place(v, tf.float32), tf.constant(got)).numpy()
+        want = np.zeros(seg.numel, np.float32)
+        want[indices] = got
+        np.testing.assert_array_equal(dense, want)
+
+
 def test_randomk_cyclic_covers_every_entry_once_per_cycle():
     c = C.get("randomk", ratio=0.1, cyclic=True)
     x = rand(N, scales=SCALES)

@@ -45,10 +45,12 @@ class RandomK(Compressor):
 
     The scaling happens after the sum, in float32 (float64 for float64 input), so
     16-bit payloads cannot overflow from it. Drawing the coordinates is a few
-    elementwise passes over K integers (`_util.random_per_segment`); Philox draws and
-    integer arithmetic give every device the same ones. With `cyclic=True` each stratum
-    walks through its entries in about n / k steps, so every entry goes out at least
-    once per cycle (bounded delay), from a new random start each cycle.
+    elementwise passes over K integers (`_util.random_per_segment`), or, at the default
+    ratio on even sizes, one random bit per pair of entries, read in the loop that takes
+    or places the values; Philox draws and integer arithmetic give every device the
+    same ones. With `cyclic=True` each stratum walks through its entries in about n / k
+    steps, so every entry goes out at least once per cycle (bounded delay), from a new
+    random start each cycle.
 
     Args:
       ratio: fraction of entries kept, in (0, 1].
@@ -83,23 +85,21 @@ class RandomK(Compressor):
         return RandomK(self.ratio, scale=False, cyclic=self.cyclic) if self.scale else self
 
     def compress(self, x: tf.Tensor, ctx: Context):
-        """Returns `((values,), (numel, indices, stratum lengths, dtype))`: the drawn
-        coordinates stay local for decompression (every replica draws the same)."""
+        """Returns `((values,), (coordinates, dtype))`: the drawn coordinates
+        (`_util.Drawn`) stay local for decompression (every replica draws the same)."""
         seg = _util.Segments.of(ctx.layout_of(x))
         step = tf.convert_to_tensor(ctx.step, tf.int64) if self.cyclic else None
-        indices, lengths = _util.random_per_segment(
+        drawn = _util.random_per_segment(
             tf.convert_to_tensor(ctx.seed, tf.int64), seg, _util.counts(self.ratio, seg), step,
             stage=ctx.stage)
-        # XLA's gather of 12.5M entries of 25M (the default ratio): 12 ms against 57.
-        values = ctx.stage(tf.gather, x, indices)
-        return (values + tf.cast(_util.poison(x), x.dtype),), (seg.numel, indices, lengths, x.dtype)
+        return (drawn.take(x, ctx.stage, plus=_util.poison(x)),), (drawn, x.dtype)
 
     def decompress(self, payload: Sequence[tf.Tensor], meta) -> tf.Tensor:
         """Scatters the (summed) values to the drawn coordinates, each times its
         stratum's length (about size / k) if `scale`."""
-        numel, indices, lengths, dtype = meta
+        drawn, dtype = meta
         wd = _util.work_dtype(dtype)
         values = tf.cast(payload[0], wd)
         if self.scale:
-            values *= tf.cast(lengths, wd)
-        return tf.cast(_util.place(values, indices, numel, wd), dtype)   # distinct coordinates
+            values *= tf.cast(drawn.lengths, wd)
+        return tf.cast(drawn.place(values, wd), dtype)
