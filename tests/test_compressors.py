@@ -487,6 +487,24 @@ def test_strided_coordinates_take_and_place_as_listed_indices(stride, compiled):
         np.testing.assert_array_equal(dense, want)
 
 
+def test_gather_many_pads_to_a_power_of_two_for_the_compiled_gather():
+    """A compiled stage gathers the indices padded to a power of two (so few lengths
+    compile) and the result is cut back: what `tf.gather` gives, for every count."""
+    x = tf.constant(np.random.default_rng(0).normal(size=1000), tf.float32)
+    lengths = []
+
+    def compiled(fn, values, indices):
+        lengths.append(int(indices.shape[0]))
+        return xla.call(fn, values, indices)
+    for count in (0, 1, 2, 3, 64, 65, 999):
+        idx = tf.constant(np.sort(np.random.default_rng(count).choice(1000, count, False)),
+                          tf.int32)
+        for stage in (compiled, _util._inline):
+            np.testing.assert_array_equal(_util.gather_many(x, idx, stage).numpy(),
+                                          x.numpy()[idx.numpy()])
+    assert lengths == [1, 1, 2, 4, 64, 128, 1024]
+
+
 def test_randomk_cyclic_covers_every_entry_once_per_cycle():
     c = C.get("randomk", ratio=0.1, cyclic=True)
     x = rand(N, scales=SCALES)
