@@ -23,8 +23,8 @@ COMPILED = [n for n in C.names() if gs.CompressedAllReduce(n).compressor.xla_dec
 
 
 def test_the_compressors_that_compile_are_the_expected_ones():
-    assert set(COMPILED) == {"dgc", "int8", "onebit", "qsgd", "randomk", "sign", "terngrad",
-                             "threshold", "topk"}
+    assert set(COMPILED) == {"adaptive", "dgc", "int8", "onebit", "qsgd", "randomk", "sign",
+                             "terngrad", "threshold", "topk"}
     assert {n for n in C.names() if C.get(n).xla_compress} == {"int8", "onebit", "sign"}
 
 

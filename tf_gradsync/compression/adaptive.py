@@ -97,6 +97,8 @@ class Adaptive(Compressor):
         self.num_modes = len(self.variants)
         self.unbiased = self.inner.unbiased
         self.summable = self.inner.summable
+        # Its codings are the inner sparsifier's, so they compile where the inner's do.
+        self.xla_decode, self.xla_compress = self.inner.xla_decode, self.inner.xla_compress
 
     def check_input(self, x: tf.Tensor) -> None:
         self.inner.check_input(x)
