@@ -775,7 +775,7 @@ class Drawn:
             # 11 ms against 19, and no [K] indices to write).
             rows, off = tf.reshape(x, [-1, self.stride]), self._offsets(words)
             if self.stride == 2:
-                return tf.where(off == 1, rows[:, 1], rows[:, 0]) + plus
+                return tf.where(tf.equal(off, 1), rows[:, 1], rows[:, 0]) + plus
             return tf.gather(rows, off, batch_dims=1) + plus
         return stage(strided, x, self.words, plus)
 
@@ -789,7 +789,8 @@ class Drawn:
             return values
         # Tiled strata: each row of [K, stride] written whole, an elementwise loop instead
         # of a scatter (25M entries, stride 2, compiled: 17 ms against 28).
-        hit = self._offsets(self.words)[:, None] == tf.range(self.stride)[None]
+        # tf.equal: `==` on tensors is not elementwise in a graph built outside a function.
+        hit = tf.equal(self._offsets(self.words)[:, None], tf.range(self.stride)[None])
         return tf.reshape(tf.where(hit, values[:, None], tf.zeros([], dtype)), [self.numel])
 
 
