@@ -989,25 +989,35 @@ def test_powersgd_matrices_per_tensor_and_exact_for_low_rank():
     mean = tf.add_n(xs).numpy() / 3
     for y in out.results:
         np.testing.assert_allclose(y.numpy(), mean, atol=1e-4)
-    np.testing.assert_allclose(sum(s["residual"].numpy() for s in states), 0, atol=1e-4)
+    np.testing.assert_allclose(sum(c.residual(s, LAYOUT).numpy() for s in states), 0, atol=1e-4)
     np.testing.assert_allclose(states[0]["q"].numpy(), states[1]["q"].numpy())
     assert c.compression_stats(LAYOUT) == {
         "matrices": 2, "dense_tensors": 3, "p_elements": 136, "q_elements": 28,
         "dense_elements": 15, "uncompressed_elements": N}
 
 
-def test_powersgd_error_feedback_conserves_mass():
-    c = C.get("powersgd", rank=1, start_iter=0)
+#: (rank, jit_compile): compiled, the residual of a rank up to 4 is a sum of outer
+#: products, of rank 6 (the [50, 10] matrix; the [18, 4] one stays at 4) a product.
+POWERSGD_FORMS = [(1, False), (1, True), (6, True)]
+
+
+@pytest.mark.parametrize("rank,jit_compile", POWERSGD_FORMS)
+def test_powersgd_error_feedback_conserves_mass(rank, jit_compile):
+    """What was sent plus what the residuals hold is what went in, over steps in which
+    each residual is formed from its factors and folded into the next M."""
+    c = C.get("powersgd", rank=rank, start_iter=0)
     states = [make_state(c, LAYOUT) for _ in range(2)]
     sent, total = 0, 0
     for step in range(3):
         xs = [rand(N, seed=10 * step + i, scales=SCALES) for i in range(2)]
-        out = reduce(c, xs, states, step=step, shapes=SHAPES, mean=True)
+        out = reduce(c, xs, states, step=step, shapes=SHAPES, mean=True,
+                     jit_compile=jit_compile)
         np.testing.assert_allclose(out.results[0].numpy(), out.results[1].numpy())
         sent = sent + out.results[0].numpy()
         total = total + tf.add_n(xs).numpy() / 2
     # Not prescaled: each residual is in its replica's units, and the mean holds 1/2 of it.
-    np.testing.assert_allclose(sent + sum(s["residual"].numpy() for s in states) / 2, total,
+    np.testing.assert_allclose(sent + sum(c.residual(s, LAYOUT).numpy() for s in states) / 2,
+                               total,
                                rtol=1e-5, atol=1e-3)
 
 
@@ -1024,17 +1034,19 @@ def test_powersgd_without_error_feedback_keeps_no_residual():
 
 
 @pytest.mark.parametrize("error_feedback", [True, False])
-def test_powersgd_error_terms_match_numpy(error_feedback):
+@pytest.mark.parametrize("rank,jit_compile", POWERSGD_FORMS)
+def test_powersgd_error_terms_match_numpy(error_feedback, rank, jit_compile):
     """The error terms come from Q_i's norm, not a pass over the residual: they equal
     numpy's ||M - P_hat Q_i^T||^2 and ||M||^2 (M = x + e), summed over both replicas,
     each tensor at its own scale, over steps where the residual is not zero."""
-    c = C.get("powersgd", rank=1, start_iter=0, min_compression_rate=1,
+    c = C.get("powersgd", rank=rank, start_iter=0, min_compression_rate=1,
               error_feedback=error_feedback)
     plan = c.plan(LAYOUT)
     states = [make_state(c, LAYOUT) for _ in range(2)]
     for step in range(3):
         xs = [rand(N, seed=10 * step + i, scales=SCALES) for i in range(2)]
-        ms = [x.numpy().astype(np.float64) + (s["residual"].numpy() if error_feedback else 0)
+        ms = [x.numpy().astype(np.float64)
+              + (c.residual(s, LAYOUT).numpy() if error_feedback else 0)
               for x, s in zip(xs, states)]
         q_all = states[0]["q"].numpy().astype(np.float64)
         want_err = want_norm = 0.0
@@ -1047,11 +1059,13 @@ def test_powersgd_error_terms_match_numpy(error_feedback):
         for o, size in plan.dense:
             want_norm += sum(np.sum(m[o:o + size] ** 2) for m in ms)
             want_err += sum(np.sum((m - x.numpy())[o:o + size] ** 2) for m, x in zip(ms, xs))
-        out = reduce(c, xs, states, step=step, shapes=SHAPES, mean=True)
+        out = reduce(c, xs, states, step=step, shapes=SHAPES, mean=True,
+                     jit_compile=jit_compile)
         assert float(out.norm_sq) == pytest.approx(want_norm, rel=1e-5)
         assert float(out.error_sq) == pytest.approx(want_err, rel=1e-4)
         if error_feedback:   # and the residual kept is that error
-            kept = sum(np.sum(s["residual"].numpy().astype(np.float64) ** 2) for s in states)
+            kept = sum(np.sum(c.residual(s, LAYOUT).numpy().astype(np.float64) ** 2)
+                       for s in states)
             assert kept == pytest.approx(want_err, rel=1e-4)
 
 
@@ -1075,15 +1089,15 @@ def test_powersgd_dense_warm_up_then_low_rank():
         out = reduce(c, xs, states, step=step, shapes=SHAPES)
         assert out.transports == ["sum"] and out.payloads[0][0].shape == (N,)
         np.testing.assert_allclose(out.results[0].numpy(), tf.add_n(xs).numpy(), rtol=1e-6)
-        assert not states[0]["residual"].numpy().any() and out.error == 0
+        assert not c.residual(states[0], LAYOUT).numpy().any() and out.error == 0
     out = reduce(c, xs, states, step=5, shapes=SHAPES)
     assert out.transports == ["sum", "sum"] and out.error > 0
-    assert states[0]["residual"].numpy().any()
+    assert c.residual(states[0], LAYOUT).numpy().any()
     x = rand(N).numpy()
     x[1] = math.nan
     out = reduce(c, [tf.constant(x)], states[:1], step=6, shapes=SHAPES)
     assert np.isnan(out.results[0].numpy()).any()
-    assert not states[0]["residual"].numpy().any()
+    assert not any(v.numpy().any() for k, v in states[0].items() if k != "q")
     assert np.all(np.isfinite(states[0]["q"].numpy()))
 
 
