@@ -553,14 +553,14 @@ class Segments:
         if self.count == 1:
             return done(fn(v, per_segment))
         (size, repeat), last = self.runs[0], self.runs[1:]
-        if (xla.tracing() and per_segment.shape.rank > len(lead) + 1
+        if (xla.tracing()
                 and (not last or (len(last) == 1 and last[0][0] < size and last[0][1] == 1))):
-            # Equal blocks, the last one maybe shorter (a tensor cut into chunks), with
-            # values that have trailing axes (onebit's two sides): the bucket padded to
-            # whole rows and one more (the values too), which XLA fuses into `fn`'s
-            # loop, instead of two pieces or plain rows (4 onebit payloads summed, one
-            # core: 2236^2 entries 20 ms in pieces, 5 padded; 2240^2 12 ms as rows, 3.9
-            # padded).
+            # Equal blocks, the last one maybe shorter (a tensor cut into chunks): the
+            # bucket padded to whole rows and one more (the values too), which XLA fuses
+            # into `fn`'s loop, instead of two pieces, a flat expansion or plain rows (4
+            # onebit payloads summed, one core: 2236^2 entries 20 ms in pieces, 5
+            # padded; 2240^2 12 ms as rows, 3.9 padded; QSGD's round trip on 25M
+            # entries 2.0 -> 2.8 GB/s, and with 4 payloads gathered 120 -> 57 ms).
             rows = repeat + 1
             values = tf.pad(per_segment, [[0, 0]] * len(lead) + [[0, rows - self.count]]
                             + [[0, 0]] * (per_segment.shape.rank - len(lead) - 1))
@@ -570,11 +570,10 @@ class Segments:
             return done(tf.reshape(out, [*lead, -1])[..., :self.numel])
         if (xla.tracing() and not summing and len(self._pieces) > 1
                 and per_segment.shape.rank == len(lead) + 1):
-            # XLA fuses the expansion into `fn`'s loop; `fn` applied per piece and the
-            # pieces concatenated instead can cost XLA's CPU code 30x (a uniform draw in
-            # QSGD's rounding: 25M entries in 700 ms against 25). One piece stays in
-            # rows, which XLA ran faster than a flat expansion (sign, 25M: 2.6-3.0
-            # against 2.3 GB/s), and so do values with trailing axes (onebit's two
+            # Irregular segments (several tensors): XLA fuses the expansion into `fn`'s
+            # loop; `fn` applied per piece and the pieces concatenated instead can cost
+            # XLA's CPU code 30x (a uniform draw in QSGD's rounding: 25M entries in 700
+            # ms against 25). Values with trailing axes stay in pieces (onebit's two
             # sides, 4 payloads of 5M entries summed: 18-21 ms in pieces, 27 expanded).
             return fn(v, self.expand(per_segment, axis=len(lead)))
         out, axis = [], len(lead)
