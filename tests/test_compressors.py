@@ -1415,8 +1415,9 @@ def test_segment_statistics_match_numpy(make):
 
 def test_uniform_draws_are_uniform_independent_and_the_same_compiled():
     """`_util.uniform`: on [0, 1) in steps of 2^-24, the moments and histogram of a
-    uniform, no correlation between neighbours or between seeds (replicas, steps), and
-    the same values from TensorFlow's ops and compiled by XLA."""
+    uniform, no correlation between entries near each other (neighbours, a QSGD chunk
+    apart) or between seeds (replicas, steps), and the same values from TensorFlow's ops
+    and compiled by XLA."""
     n = 1 << 20
     seeds = [tf.constant(s, tf.int64) for s in ((1, 2), (1, 3), (2, 2))]
     u = [_util.uniform(n, s).numpy() for s in seeds]
@@ -1428,7 +1429,13 @@ def test_uniform_draws_are_uniform_independent_and_the_same_compiled():
         counts = np.histogram(d, bins=64, range=(0, 1))[0]
         chi2 = np.sum((counts - n / 64) ** 2 / (n / 64))
         assert chi2 < 63 + 5 * np.sqrt(2 * 63), chi2          # 63 degrees of freedom
-        assert abs(np.corrcoef(d[:-1], d[1:])[0, 1]) < 5 / np.sqrt(n)
+        for lag in (1, 2, 3, 512):
+            assert abs(np.corrcoef(d[:-lag], d[lag:])[0, 1]) < 5 / np.sqrt(n), lag
+        # Pairs of neighbours fill the unit square evenly (16 x 16 cells).
+        pairs = np.histogram2d(d[:-1:2], d[1::2], bins=16, range=((0, 1), (0, 1)))[0]
+        expected = n / 2 / 256
+        chi2 = np.sum((pairs - expected) ** 2 / expected)
+        assert chi2 < 255 + 5 * np.sqrt(2 * 255), chi2
     for a, b in ((0, 1), (0, 2), (1, 2)):
         assert abs(np.corrcoef(u[a], u[b])[0, 1]) < 5 / np.sqrt(n)
     compiled = xla.call(lambda s: _util.uniform(n, s), seeds[0])
