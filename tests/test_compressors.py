@@ -1383,6 +1383,10 @@ def test_segment_statistics_match_numpy(make):
     pick = lambda b, s: tf.where(b, s[..., 0], s[..., 1])
     bits = tf.constant(v > 0)
     for run in (lambda f, *a: f(*a), xla.call):
+        np.testing.assert_array_equal(run(lambda x, p: seg.apply(tf.multiply, x, p),
+                                          tf.constant(v), per),
+                                      (v * want).astype(np.float32) if seg.count > 1
+                                      else v * np.float32(0.5))
         np.testing.assert_allclose(
             run(lambda x, p: seg.apply(tf.multiply, x, p), lead, tf.stack([per, per])),
             want2, rtol=1e-6)
