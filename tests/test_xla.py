@@ -166,3 +166,26 @@ def test_long_tensors_select_the_same_entries_compiled(name):
     for a, b in zip(got[0].payloads[0], got[1].payloads[0]):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
     np.testing.assert_array_equal(got[0].results[0].numpy(), got[1].results[0].numpy())
+
+
+def _compiled_ops(fn, *args) -> set:
+    """The op types of the XLA-compiled functions `fn(*args)` traces."""
+    graph = tf.function(fn).get_concrete_function(*args).graph
+    return {node.op for f in graph._functions.values()   # pylint: disable=protected-access
+            if f.cached_definition.attr["_XlaMustCompile"].b
+            for node in f.cached_definition.node_def}
+
+
+@pytest.mark.parametrize("runs,padded", [
+    ([(512, 40), (100, 1)], True),       # a tensor in chunks, the last shorter: whole rows
+    ([(4000, 1), (30, 1)], False),       # a kernel and its bias: padding would double it
+])
+def test_per_segment_values_are_padded_only_to_a_little_more(runs, padded):
+    """Compiled, `Segments.apply` pads a tensor cut into chunks to whole rows, and never a
+    bucket by more than an eighth (a kernel and its bias stay unpadded)."""
+    seg = _util.Segments(runs=runs)
+    v = tf.zeros([seg.numel])
+    per = tf.ones([seg.count])
+    ops = _compiled_ops(lambda v, p: xla.call(lambda v, p: seg.apply(tf.multiply, v, p), v, p),
+                        v, per)
+    assert ("Pad" in ops or "PadV2" in ops) == padded, ops

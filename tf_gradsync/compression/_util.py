@@ -553,15 +553,17 @@ class Segments:
         if self.count == 1:
             return done(fn(v, per_segment))
         (size, repeat), last = self.runs[0], self.runs[1:]
-        if (xla.tracing()
+        rows = repeat + 1
+        if (xla.tracing() and 8 * (rows * size - self.numel) <= self.numel
                 and (not last or (len(last) == 1 and last[0][0] < size and last[0][1] == 1))):
             # Equal blocks, the last one maybe shorter (a tensor cut into chunks): the
             # bucket padded to whole rows and one more (the values too), which XLA fuses
             # into `fn`'s loop, instead of two pieces, a flat expansion or plain rows (4
             # onebit payloads summed, one core: 2236^2 entries 20 ms in pieces, 5
             # padded; 2240^2 12 ms as rows, 3.9 padded; QSGD's round trip on 25M
-            # entries 2.0 -> 2.8 GB/s, and with 4 payloads gathered 120 -> 57 ms).
-            rows = repeat + 1
+            # entries 2.0 -> 2.8 GB/s, and with 4 payloads gathered 120 -> 57 ms). Not
+            # where the padding would add more than an eighth (a kernel and its bias:
+            # TernGrad's data path on 1M + 1000 entries 4.5 -> 13 ms padded).
             values = tf.pad(per_segment, [[0, 0]] * len(lead) + [[0, rows - self.count]]
                             + [[0, 0]] * (per_segment.shape.rank - len(lead) - 1))
             out = fn(tf.reshape(tf.pad(v, [[0, 0]] * len(lead) + [[0, rows * size - self.numel]]),
