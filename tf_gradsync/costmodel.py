@@ -52,7 +52,8 @@ DECODE_SHARE = 0.5
 #: sums the payloads in the loop that writes the bucket. Measured per extra payload over
 #: 1, 2, 4 and 8 payloads of 25M entries, one core, in round trips: sign 0.02-0.05, int8
 #: 0.01-0.03, top-k 0-0.02, threshold 0.01-0.07, DGC 0-0.01, TernGrad 0.03-0.04, QSGD
-#: 0.04-0.10, onebit 0-0.14 (BENCHMARKS.md, "Compiled codecs").
+#: 0.00-0.01 in padded rows, onebit 0-0.14 (BENCHMARKS.md, "Compiled codecs", "PowerSGD's
+#: residual as factors").
 DECODE_SHARE_COMPILED = 0.05
 
 
