@@ -408,6 +408,8 @@ def select(x: tf.Tensor, k: int, seed: tf.Tensor, sample_ratio: float,
     return tf.ensure_shape(idx, [k]), tf.ensure_shape(valid, [k]), tf.ensure_shape(values, [k])
 
 
+#: Compiled, `Segments.apply` picks the values of this many segments or fewer by index.
+FEW = 8
 #: A run of equal segments at least this long (elements) reduces as a reshape.
 LONG_RUN = 1 << 14
 #: Other segments share segment reductions over pieces of at most this many elements,
@@ -570,6 +572,17 @@ class Segments:
                                 [*lead, rows, size]),
                      tf.expand_dims(values, len(lead) + 1))
             return done(tf.reshape(out, [*lead, -1])[..., :self.numel])
+        if xla.tracing() and self.count <= FEW and per_segment.shape.rank == len(lead) + 1:
+            # A few segments (a kernel and its bias): each entry's value is picked in
+            # `fn`'s loop by comparing its index with the segments' ends (TernGrad's
+            # encoding of 5M + 1000 entries, one core: 7.2 ms expanded, 2.6 picked, 3.2
+            # for one segment of 5M + 1000).
+            index = tf.range(self.numel)
+            picked = per_segment[..., -1:]
+            for j in range(self.count - 2, -1, -1):
+                picked = tf.where(index < self.offsets[j + 1], per_segment[..., j:j + 1],
+                                  picked)
+            return done(fn(v, picked))
         if (xla.tracing() and not summing and len(self._pieces) > 1
                 and per_segment.shape.rank == len(lead) + 1):
             # Irregular segments (several tensors): XLA fuses the expansion into `fn`'s
