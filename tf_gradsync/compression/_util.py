@@ -585,7 +585,7 @@ class Segments:
             return done(fn(v, picked))
         if (xla.tracing() and not summing and len(self._pieces) > 1
                 and per_segment.shape.rank == len(lead) + 1):
-            # Irregular segments (several tensors): XLA fuses the expansion into `fn`'s
+            # Irregular segments (many tensors): XLA fuses the expansion into `fn`'s
             # loop; `fn` applied per piece and the pieces concatenated instead can cost
             # XLA's CPU code 30x (a uniform draw in QSGD's rounding: 25M entries in 700
             # ms against 25). Values with trailing axes stay in pieces (onebit's two
