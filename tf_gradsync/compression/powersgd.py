@@ -188,6 +188,9 @@ class PowerSGD(Compressor):
     def _low_rank(self, x: tf.Tensor, ctx: Context, layout: Layout, plan: _Plan) -> Rounds:
         wd = _util.work_dtype(x.dtype)
         state = ctx.state
+
+        def gradient(x, a: _Matrix) -> tf.Tensor:   # matrix `a` of the bucket x
+            return tf.reshape(tf.cast(x[a.offset:a.offset + a.size], wd), [a.rows, a.cols])
         if self.error_feedback:
             # M = x + e, e = M' - P_hat' Q_i'^T from the last step's factors: formed in
             # the pass that adds it, which writes M over M' in place (compiled under
@@ -199,14 +202,11 @@ class PowerSGD(Compressor):
             def fold(x):
                 p, q = state["p"].read_value(), state["q_local"].read_value()
                 for a, m in zip(plan.matrices, kept):
-                    m.assign(tf.reshape(tf.cast(x[a.offset:a.offset + a.size], wd),
-                                        [a.rows, a.cols])
-                             + _matrix_residual(a, m.read_value(), p, q))
+                    m.assign(gradient(x, a) + _matrix_residual(a, m.read_value(), p, q))
             ctx.stage(fold, x)
             ms = [m.read_value() for m in kept]
         else:
-            ms = [tf.reshape(tf.cast(x[a.offset:a.offset + a.size], wd), [a.rows, a.cols])
-                  for a in plan.matrices]
+            ms = [gradient(x, a) for a in plan.matrices]
         if self.warm_start:
             q_all = state["q"]
         else:
