@@ -19,7 +19,7 @@ import tensorflow as tf
 
 import tf_gradsync as gs
 from tf_gradsync import compression as C
-from tf_gradsync.compression import _util, xla
+from tf_gradsync.compression import _bits, _draws, _segments, _selection, _sparse, _util, xla
 from _compress import context, make_state, reduce, roundtrip
 
 FLOATS = [tf.float16, tf.bfloat16, tf.float32, tf.float64]
@@ -121,15 +121,15 @@ def test_sparse_decodes_match_numpy():
              for i in indices]
     want = np.zeros(n, np.float32)
     np.put(want, parts[0][1], parts[0][0])
-    np.testing.assert_array_equal(_util.place(*parts[0], n, tf.float32).numpy(), want)
+    np.testing.assert_array_equal(_sparse.place(*parts[0], n, tf.float32).numpy(), want)
     for count in (1, 2, 3):
         want = np.zeros(n, np.float64)
         for v, i in parts[:count]:
             np.add.at(want, i, v)
-        got = _util.sum_sparse(parts[:count], n, tf.float32)
+        got = _sparse.sum_sparse(parts[:count], n, tf.float32)
         np.testing.assert_allclose(got.numpy(), want, rtol=1e-6)
     with pytest.raises(tf.errors.InvalidArgumentError):
-        _util.place(np.ones(1, np.float32), np.array([n], np.int32), n, tf.float32)
+        _sparse.place(np.ones(1, np.float32), np.array([n], np.int32), n, tf.float32)
 
 
 @pytest.mark.parametrize("name", ["threshold", "dgc"])
@@ -261,16 +261,16 @@ def test_error_terms_are_accurate_on_large_buckets():
 def test_pack_matches_numpy_and_unpacks(bits, byteorder, monkeypatch):
     """Codes packed LSB first, 8 // bits per byte, the last byte padded with zeros: by
     one multiply per word on little-endian hosts, by a weighted sum elsewhere."""
-    monkeypatch.setattr(_util.sys, "byteorder", byteorder)
+    monkeypatch.setattr(_bits.sys, "byteorder", byteorder)
     per = 8 // bits
     for n in (1, per + 1, 8 * 1001 + 3):
         codes = np.random.default_rng(n).integers(0, 1 << bits, n)
         want = (np.pad(codes, (0, -n % per)).reshape(-1, per)
                 << (bits * np.arange(per))).sum(1).astype(np.uint8)
-        for fn in (_util.pack, tf.function(_util.pack, reduce_retracing=False)):
+        for fn in (_bits.pack, tf.function(_bits.pack, reduce_retracing=False)):
             got = fn(tf.constant(codes, tf.int32), bits).numpy()
             np.testing.assert_array_equal(got, want)
-        np.testing.assert_array_equal(_util.unpack(tf.constant(got), bits, n).numpy(), codes)
+        np.testing.assert_array_equal(_bits.unpack(tf.constant(got), bits, n).numpy(), codes)
 
 
 # ----------------------------------------------------------------- numpy models
@@ -280,7 +280,7 @@ def _packbits(bits):
 
 def _uniform(n, c, seed=(1, 2)):
     """The uniform draws replica 0 makes (Context.replica_seed)."""
-    return _util.uniform(n, context(seed=seed).replica_seed()).numpy()
+    return _draws.uniform(n, context(seed=seed).replica_seed()).numpy()
 
 
 def test_int8_reference():
@@ -466,16 +466,16 @@ def test_randomk_equal_strata_one_entry_each_uniformly(ratio, stride):
 def test_strided_coordinates_take_and_place_as_listed_indices(stride, compiled):
     """Tiled strata keep only their Philox words; what they take and place is what a
     gather at, and a placement to, the listed indices i * stride + offset give."""
-    seg = _util.Segments.of(C.Layout(((64, 32), (96,))))
+    seg = _segments.Segments.of(C.Layout(((64, 32), (96,))))
     ks = [s // stride for s in seg.sizes]
     x = tf.constant(np.random.default_rng(stride).normal(size=seg.numel), tf.float32)
-    drawn = _util.random_per_segment(tf.constant([3, stride], tf.int64), seg, ks)
+    drawn = _draws.random_per_segment(tf.constant([3, stride], tf.int64), seg, ks)
     assert drawn.indices is None and drawn.stride == stride
     k = seg.numel // stride
     offsets = (np.zeros(k, np.int64) if stride == 1 else
-               _util._fields(drawn.words, k, stride.bit_length() - 1).numpy())
+               _draws._fields(drawn.words, k, stride.bit_length() - 1).numpy())
     indices = np.arange(k) * stride + offsets
-    listed = _util.Drawn(seg.numel, drawn.lengths, indices=tf.constant(indices, tf.int32))
+    listed = _draws.Drawn(seg.numel, drawn.lengths, indices=tf.constant(indices, tf.int32))
     run = xla.call if compiled else (lambda fn, *a: fn(*a))
     plus = tf.constant(0.5)
     for d in (drawn, listed):
@@ -500,8 +500,8 @@ def test_gather_many_pads_to_one_capacity_for_the_compiled_gather():
     for count in (0, 1, 63, 64, 65, 999):
         idx = tf.constant(np.sort(np.random.default_rng(count).choice(1000, count, False)),
                           tf.int32)
-        for stage in (compiled, _util._inline):
-            got = tf.function(lambda x, i, s=stage: _util.gather_many(x, i, 64, s))(x, idx)
+        for stage in (compiled, _util.inline):
+            got = tf.function(lambda x, i, s=stage: _selection.gather_many(x, i, 64, s))(x, idx)
             np.testing.assert_array_equal(got.numpy(), x.numpy()[idx.numpy()])
     assert lengths and set(lengths) == {64}
 
@@ -1104,7 +1104,7 @@ def test_powersgd_dense_warm_up_then_low_rank():
 # ----------------------------------------------------------------- exact top-k
 def _topk_sets(mag, k):
     """The fast path's indices, top_k's, and a stable numpy argsort's (lower index first)."""
-    fast_idx, fast_values = _util.top_k_entries(tf.constant(mag), k)
+    fast_idx, fast_values = _selection.top_k_entries(tf.constant(mag), k)
     fast = fast_idx.numpy()
     np.testing.assert_array_equal(fast_values.numpy(), mag[fast])
     assert len(fast) == k
@@ -1135,8 +1135,9 @@ def test_topk_fast_path_is_exact(kind, k):
         mag = np.ones(n)
     else:                          # the sample sees only large values: too few candidates
         mag = rng.random(n)
-        rows = _util.sample_rows(n, _util.sample_size(1000), _util._TOPK_SEED).numpy()
-        mag[(rows[:, None] * _util.SAMPLE_RUN + np.arange(_util.SAMPLE_RUN)).ravel()] = 10.0
+        sel = _selection
+        rows = sel.sample_rows(n, sel.sample_size(1000), sel._TOPK_SEED).numpy()
+        mag[(rows[:, None] * sel.SAMPLE_RUN + np.arange(sel.SAMPLE_RUN)).ravel()] = 10.0
     mag = mag.astype(np.float32)
     fast, plain, ref = _topk_sets(mag, k)
     assert fast == plain
@@ -1144,7 +1145,7 @@ def test_topk_fast_path_is_exact(kind, k):
     assert fast == ref
     # Signed values select by magnitude.
     signed = np.where(rng.random(n) < 0.5, -mag, mag)
-    idx, values = _util.top_k_entries(tf.constant(signed), k)
+    idx, values = _selection.top_k_entries(tf.constant(signed), k)
     assert set(idx.numpy().tolist()) == ref
     np.testing.assert_array_equal(values.numpy(), signed[idx.numpy()])
 
@@ -1342,13 +1343,13 @@ def _layout_sizes(sizes):
 
 
 @pytest.mark.parametrize("make", [
-    lambda: _util.Segments([3, 0, 5, 1]),                       # small, irregular
-    lambda: _util.Segments([70000, 1, 30000, 7]),               # long runs and short ones
-    lambda: _util.Segments(list(range(1, 600))),                # several id pieces
-    lambda: _util.Segments.chunks(_layout_sizes([40000, 3, 517, 20000]), 16),   # blocks
-    lambda: _util.Segments.chunks(_layout_sizes([4096, 4096]), 512),            # regular
-    lambda: _util.Segments.chunks(_layout_sizes([40007]), 32),      # one tensor's blocks
-    lambda: _util.Segments([1000]),                                             # one
+    lambda: _segments.Segments([3, 0, 5, 1]),                       # small, irregular
+    lambda: _segments.Segments([70000, 1, 30000, 7]),               # long runs and short ones
+    lambda: _segments.Segments(list(range(1, 600))),                # several id pieces
+    lambda: _segments.Segments.chunks(_layout_sizes([40000, 3, 517, 20000]), 16),   # blocks
+    lambda: _segments.Segments.chunks(_layout_sizes([4096, 4096]), 512),            # regular
+    lambda: _segments.Segments.chunks(_layout_sizes([40007]), 32),      # one tensor's blocks
+    lambda: _segments.Segments([1000]),                                             # one
 ], ids=["small", "long_runs", "id_pieces", "blocks", "regular", "short_last", "one"])
 def test_segment_statistics_match_numpy(make):
     """Per-segment sums, extremes, means, sums of squares and expansion against numpy,
@@ -1418,13 +1419,13 @@ def test_segment_statistics_match_numpy(make):
 
 
 def test_uniform_draws_are_uniform_independent_and_the_same_compiled():
-    """`_util.uniform`: on [0, 1) in steps of 2^-24, the moments and histogram of a
+    """`_draws.uniform`: on [0, 1) in steps of 2^-24, the moments and histogram of a
     uniform, no correlation between entries near each other (neighbours, a QSGD chunk
     apart) or between seeds (replicas, steps), and the same values from TensorFlow's ops
     and compiled by XLA."""
     n = 1 << 20
     seeds = [tf.constant(s, tf.int64) for s in ((1, 2), (1, 3), (2, 2))]
-    u = [_util.uniform(n, s).numpy() for s in seeds]
+    u = [_draws.uniform(n, s).numpy() for s in seeds]
     for d in u:
         assert d.dtype == np.float32 and d.min() >= 0 and d.max() < 1
         np.testing.assert_array_equal(d * 2 ** 24, np.floor(d * 2 ** 24))
@@ -1442,7 +1443,7 @@ def test_uniform_draws_are_uniform_independent_and_the_same_compiled():
         assert chi2 < 255 + 5 * np.sqrt(2 * 255), chi2
     for a, b in ((0, 1), (0, 2), (1, 2)):
         assert abs(np.corrcoef(u[a], u[b])[0, 1]) < 5 / np.sqrt(n)
-    compiled = xla.call(lambda s: _util.uniform(n, s), seeds[0])
+    compiled = xla.call(lambda s: _draws.uniform(n, s), seeds[0])
     np.testing.assert_array_equal(compiled.numpy(), u[0])
-    np.testing.assert_array_equal(_util.uniform(17, seeds[0], tf.float64).numpy(),
+    np.testing.assert_array_equal(_draws.uniform(17, seeds[0], tf.float64).numpy(),
                                   u[0][:17].astype(np.float64))

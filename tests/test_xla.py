@@ -11,7 +11,7 @@ import tensorflow as tf
 
 import tf_gradsync as gs
 from tf_gradsync import compression as C
-from tf_gradsync.compression import _util, driver, two_phase, xla
+from tf_gradsync.compression import _bits, _segments, _sparse, driver, two_phase, xla
 from _compress import make_state, reduce
 from tf_gradsync.bench import ops_from_spec
 
@@ -120,12 +120,12 @@ def test_sparse_sums_take_one_scatter_when_compiled():
              (tf.constant([10.0, 20.0]), tf.constant([7, 0]))]
     want = np.zeros(n, np.float32)
     want[[5, 7, 999, 0]] = [1.0, 12.0, 3.0, 20.0]
-    np.testing.assert_array_equal(_util.sum_sparse(parts, n, tf.float32).numpy(), want)
+    np.testing.assert_array_equal(_sparse.sum_sparse(parts, n, tf.float32).numpy(), want)
     seen = []
 
     def body(p):
         seen.append(xla.tracing())
-        return _util.sum_sparse(p, n, tf.float32)
+        return _sparse.sum_sparse(p, n, tf.float32)
     np.testing.assert_array_equal(xla.call(body, parts).numpy(), want)
     assert seen == [True] and not xla.tracing()
 
@@ -143,10 +143,10 @@ def test_unpacking_compiled_gives_the_tables_codes(bits, values):
     rng = np.random.default_rng(4)
     n = 8 * 37 // bits - 3
     codes = rng.integers(0, 1 << bits, (3, n))
-    packed = tf.stack([_util.pack(tf.constant(c), bits) for c in codes])
+    packed = tf.stack([_bits.pack(tf.constant(c), bits) for c in codes])
     dtype = tf.int32 if values is None else tf.float32
-    want = _util.unpack(packed, bits, n, values, dtype).numpy()
-    got = tf.function(lambda p: xla.call(lambda q: _util.unpack(q, bits, n, values, dtype), p)
+    want = _bits.unpack(packed, bits, n, values, dtype).numpy()
+    got = tf.function(lambda p: xla.call(lambda q: _bits.unpack(q, bits, n, values, dtype), p)
                       )(packed).numpy()
     np.testing.assert_array_equal(want, codes if values is None else np.asarray(values)[codes])
     np.testing.assert_array_equal(got, want)
@@ -183,7 +183,7 @@ def _compiled_ops(fn, *args) -> set:
 def test_per_segment_values_are_padded_only_to_a_little_more(runs, padded):
     """Compiled, `Segments.apply` pads a tensor cut into chunks to whole rows, and never a
     bucket by more than an eighth (a kernel and its bias stay unpadded)."""
-    seg = _util.Segments(runs=runs)
+    seg = _segments.Segments(runs=runs)
     v = tf.zeros([seg.numel])
     per = tf.ones([seg.count])
     ops = _compiled_ops(lambda v, p: xla.call(lambda v, p: seg.apply(tf.multiply, v, p), v, p),

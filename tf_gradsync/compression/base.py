@@ -156,7 +156,7 @@ class Context:
 
     def stage(self, fn, *args):
         """`xla.stage` in this context: `fn(*args)` compiled when it asks for it (for
-        helpers that take a stage to run, e.g. `_util.select`)."""
+        helpers that take a stage to run, e.g. `_selection.select`)."""
         return xla.stage(self, fn, *args)
 
     def record_error(self, x: tf.Tensor, approx: tf.Tensor | None, *,

@@ -12,14 +12,14 @@ from typing import Any
 
 import tensorflow as tf
 
-from tf_gradsync.compression import _util
+from tf_gradsync.compression import _segments, _selection, _sparse, _util
 from tf_gradsync.compression.base import (Compressor, Context, Layout, StateSpec,
                                           optimizer_config, optimizer_momentum, register,
                                           sum_of_squares, when)
 
 
 @register("dgc")
-class DGC(_util.SparseDecoding, Compressor):
+class DGC(_sparse.SparseDecoding, Compressor):
     """Accumulates momentum locally and sends only the largest accumulated entries.
 
     Per step, with g the (optionally clipped) gradient: u = momentum * u + g (momentum
@@ -143,11 +143,11 @@ class DGC(_util.SparseDecoding, Compressor):
         return 1.0, {"momentum": 0.0, **({"nesterov": False} if nesterov else {})}
 
     def send_interval(self) -> float:
-        return _util.magnitude_send_interval(self.ratio)
+        return _selection.magnitude_send_interval(self.ratio)
 
     def compress(self, x: tf.Tensor, ctx: Context):
         """Returns `((values, int32 indices), (n, dtype))`; updates `u` and `v`."""
-        seg = _util.Segments.of(ctx.layout_of(x))
+        seg = _segments.Segments.of(ctx.layout_of(x))
         n, wd = seg.numel, _util.work_dtype(x.dtype)
         u, v = ctx.state["u"], ctx.state["v"]
         g = tf.cast(x, wd)
@@ -188,13 +188,13 @@ class DGC(_util.SparseDecoding, Compressor):
         bad = tf.where(finite, tf.constant(0, x.dtype), tf.constant(math.nan, x.dtype))
         return (values + bad, idx), (n, x.dtype)
 
-    def _select(self, v: tf.Tensor, seg: _util.Segments, ctx: Context, dtype: tf.DType):
+    def _select(self, v: tf.Tensor, seg: _segments.Segments, ctx: Context, dtype: tf.DType):
         """The largest entries of `v` per tensor at this mode's ratio: `(values in
         `dtype`, int32 indices, which slots hold a selected entry)`."""
         seed = tf.convert_to_tensor(ctx.seed, tf.int64)
-        idx, valid, values = _util.top_per_segment(
-            v, seg, _util.counts(self.ratios[ctx.mode], seg),
-            lambda m, k: _util.select(m, k, seed, self.sample_ratio,
+        idx, valid, values = _selection.top_per_segment(
+            v, seg, _selection.counts(self.ratios[ctx.mode], seg),
+            lambda m, k: _selection.select(m, k, seed, self.sample_ratio,
                                       stage=ctx.stage))
         if valid is None:
             valid = tf.ones_like(idx, tf.bool)
@@ -206,7 +206,7 @@ class DGC(_util.SparseDecoding, Compressor):
         return _Selection(self)
 
 
-class _Selection(_util.SparseDecoding, Compressor):
+class _Selection(_sparse.SparseDecoding, Compressor):
     """The memoryless codec of a `DGC` (see `DGC.codec`)."""
 
     summable = False
@@ -216,6 +216,6 @@ class _Selection(_util.SparseDecoding, Compressor):
         self.dgc = dgc
 
     def compress(self, x: tf.Tensor, ctx: Context):
-        seg = _util.Segments.of(ctx.layout_of(x))
+        seg = _segments.Segments.of(ctx.layout_of(x))
         values, idx, _ = self.dgc._select(x, seg, ctx, x.dtype)  # pylint: disable=protected-access
         return (values, idx), (seg.numel, x.dtype)

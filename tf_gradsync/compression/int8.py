@@ -11,7 +11,7 @@ from typing import Sequence
 
 import tensorflow as tf
 
-from tf_gradsync.compression import _util
+from tf_gradsync.compression import _segments, _util
 from tf_gradsync.compression.base import Compressor, Context, register
 
 
@@ -40,7 +40,7 @@ class Int8(Compressor):
 
     def compress(self, x: tf.Tensor, ctx: Context):
         """Returns `((int8 values, scales), (segments, dtype))`."""
-        seg = _util.Segments.of(ctx.layout_of(x))
+        seg = _segments.Segments.of(ctx.layout_of(x))
         wd = _util.work_dtype(x.dtype)
         v = tf.cast(x, wd)
         scale = seg.abs_max(v) / 127

@@ -11,7 +11,7 @@ from typing import Sequence
 
 import tensorflow as tf
 
-from tf_gradsync.compression import _util
+from tf_gradsync.compression import _draws, _segments, _util
 from tf_gradsync.compression.base import Compressor, Context, register
 
 
@@ -59,7 +59,7 @@ class QSGD(Compressor):
 
     def compress(self, x: tf.Tensor, ctx: Context):
         """Returns `((int8 levels, norms), (segments, dtype))`."""
-        seg = _util.Segments.chunks(ctx.layout_of(x), self.chunk)
+        seg = _segments.Segments.chunks(ctx.layout_of(x), self.chunk)
         wd = _util.work_dtype(x.dtype)
         v = tf.cast(x, wd)
         norm_sq = seg.sum_of_squares(v)
@@ -68,7 +68,7 @@ class QSGD(Compressor):
 
         def quantise(v, norm, seed):
             a = seg.apply(tf.math.divide_no_nan, tf.abs(v) * self.levels, norm)
-            level = tf.minimum(tf.floor(a + _util.uniform(seg.numel, seed, wd)), self.levels)
+            level = tf.minimum(tf.floor(a + _draws.uniform(seg.numel, seed, wd)), self.levels)
             return tf.cast(tf.sign(v) * level, tf.int8)
         q = ctx.stage(quantise, v, norm, seed)
         # A chunk's sum of squares is not finite when one of its entries is not (or

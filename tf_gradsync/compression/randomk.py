@@ -12,7 +12,7 @@ from typing import Sequence
 
 import tensorflow as tf
 
-from tf_gradsync.compression import _util
+from tf_gradsync.compression import _draws, _segments, _selection, _util
 from tf_gradsync.compression.base import Compressor, Context, register
 
 
@@ -45,7 +45,7 @@ class RandomK(Compressor):
 
     The scaling happens after the sum, in float32 (float64 for float64 input), so
     16-bit payloads cannot overflow from it. Drawing the coordinates is a few
-    elementwise passes over K integers (`_util.random_per_segment`), or, at the default
+    elementwise passes over K integers (`_draws.random_per_segment`), or, at the default
     ratio on even sizes, one random bit per pair of entries, read in the loop that takes
     or places the values; Philox draws and integer arithmetic give every device the
     same ones. With `cyclic=True` each stratum walks through its entries in about n / k
@@ -86,11 +86,11 @@ class RandomK(Compressor):
 
     def compress(self, x: tf.Tensor, ctx: Context):
         """Returns `((values,), (coordinates, dtype))`: the drawn coordinates
-        (`_util.Drawn`) stay local for decompression (every replica draws the same)."""
-        seg = _util.Segments.of(ctx.layout_of(x))
+        (`_draws.Drawn`) stay local for decompression (every replica draws the same)."""
+        seg = _segments.Segments.of(ctx.layout_of(x))
         step = tf.convert_to_tensor(ctx.step, tf.int64) if self.cyclic else None
-        drawn = _util.random_per_segment(
-            tf.convert_to_tensor(ctx.seed, tf.int64), seg, _util.counts(self.ratio, seg), step,
+        drawn = _draws.random_per_segment(
+            tf.convert_to_tensor(ctx.seed, tf.int64), seg, _selection.counts(self.ratio, seg), step,
             stage=ctx.stage)
         return (drawn.take(x, ctx.stage, plus=_util.poison(x)),), (drawn, x.dtype)
 

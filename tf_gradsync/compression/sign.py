@@ -13,7 +13,7 @@ from typing import Sequence
 
 import tensorflow as tf
 
-from tf_gradsync.compression import _util
+from tf_gradsync.compression import _bits, _segments, _util
 from tf_gradsync.compression.base import Compressor, Context, register
 from tf_gradsync.compression.int8 import Int8
 
@@ -83,7 +83,7 @@ class Sign(Compressor):
 
     def compress(self, x: tf.Tensor, ctx: Context):
         """Returns `((packed bits, scales), (segments, dtype))`."""
-        seg = _util.blocks(ctx.layout_of(x), self.block)
+        seg = _segments.blocks(ctx.layout_of(x), self.block)
         wd = _util.work_dtype(x.dtype)
         v = tf.cast(x, wd)
         if self.scale == "l2":
@@ -94,14 +94,14 @@ class Sign(Compressor):
         # 1e19 in float32, overflows, which the poison then treats alike): checking the
         # scales reads a sixteenth of the entries.
         scale = tf.cast(scale + _util.poison(scale, wd), _util.scale_dtype(x.dtype))
-        return (_util.pack(v >= 0, 1), scale), (seg, x.dtype)
+        return (_bits.pack(v >= 0, 1), scale), (seg, x.dtype)
 
     def decompress(self, payload: Sequence[tf.Tensor], meta) -> tf.Tensor:
         """scale * (+1 or -1), in the input dtype."""
         packed, scale = payload
         seg, dtype = meta
         wd = _util.work_dtype(dtype)
-        signs = _util.unpack(packed, 1, seg.numel, values=(-1, 1), dtype=wd)
+        signs = _bits.unpack(packed, 1, seg.numel, values=(-1, 1), dtype=wd)
         return tf.cast(seg.apply(tf.multiply, signs, tf.cast(scale, wd)), dtype)
 
     def server_codec(self) -> Compressor:

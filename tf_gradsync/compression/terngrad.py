@@ -13,7 +13,7 @@ from typing import Sequence
 
 import tensorflow as tf
 
-from tf_gradsync.compression import _util
+from tf_gradsync.compression import _bits, _draws, _segments, _util
 from tf_gradsync.compression.base import Compressor, Context, divides_by_rms, register
 from tf_gradsync.compression.int8 import Int8
 
@@ -99,7 +99,7 @@ class TernGrad(Compressor):
 
     def compress(self, x: tf.Tensor, ctx: Context):
         """Returns `((packed codes, scales), (segments, dtype))`."""
-        seg = _util.Segments.of(ctx.layout_of(x))
+        seg = _segments.Segments.of(ctx.layout_of(x))
         wd = _util.work_dtype(x.dtype)
         v = tf.cast(x, wd)
         # The statistics are TensorFlow's reductions over v; the clipping and the draws
@@ -120,7 +120,7 @@ class TernGrad(Compressor):
             if bound is not None:
                 v = seg.apply(lambda e, b: tf.where(b > 0, tf.clip_by_value(e, -b, b), e),
                               v, bound)
-            keep = _util.uniform(seg.numel, seed, wd) < seg.apply(
+            keep = _draws.uniform(seg.numel, seed, wd) < seg.apply(
                 tf.math.divide_no_nan, tf.abs(v), scale)
             codes = tf.where(keep, tf.where(v > 0, 1, 2), 0)
             # The whole bytes and the last, partial one apart, joined outside the
@@ -128,8 +128,8 @@ class TernGrad(Compressor):
             # join of its output up to 20x slower (1M + 1 entries: 28 ms against 1.5).
             whole = seg.numel - seg.numel % 4
             if whole == seg.numel:
-                return (_util.pack(codes, 2),)
-            return _util.pack(codes[:whole], 2), _util.pack(codes[whole:], 2)
+                return (_bits.pack(codes, 2),)
+            return _bits.pack(codes[:whole], 2), _bits.pack(codes[whole:], 2)
         packed = tf.concat(ctx.stage(encode, v, scale, bound, ctx.replica_seed()), 0)
         return (packed, scale + _util.poison(check, wd)), (seg, x.dtype)
 
@@ -137,7 +137,7 @@ class TernGrad(Compressor):
         """scale * {0, +1, -1}[code], in the input dtype."""
         packed, scale = payload
         seg, dtype = meta
-        t = _util.unpack(packed, 2, seg.numel, values=(0, 1, -1, 0), dtype=scale.dtype)
+        t = _bits.unpack(packed, 2, seg.numel, values=(0, 1, -1, 0), dtype=scale.dtype)
         return tf.cast(seg.apply(tf.multiply, t, scale), dtype)
 
     def server_codec(self) -> Compressor:

@@ -9,16 +9,16 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from tf_gradsync.compression import _util
+from tf_gradsync.compression import _segments, _selection, _sparse, _util
 from tf_gradsync.compression.base import Compressor, Context, register
 
 
 @register("threshold")
-class Threshold(_util.SparseDecoding, Compressor):
+class Threshold(_sparse.SparseDecoding, Compressor):
     """Sends k = max(1, ceil(ratio * size)) large entries of each tensor, found through a
     sampled threshold in long tensors.
 
-    In a tensor longer than `_util.LARGE` entries, a random sample of
+    In a tensor longer than `_selection.LARGE` entries, a random sample of
     `max(1000, sample_ratio * size)` magnitudes (stateless, seeded by `ctx.seed`)
     gives the threshold that would keep about 2k entries; entries at or above it are
     candidates (a superset of the true top k, unless the sample was unlucky). With
@@ -53,15 +53,15 @@ class Threshold(_util.SparseDecoding, Compressor):
         self.sample_ratio = sample_ratio
 
     def send_interval(self) -> float:
-        return _util.magnitude_send_interval(self.ratio)
+        return _selection.magnitude_send_interval(self.ratio)
 
     def compress(self, x: tf.Tensor, ctx: Context):
         """Returns `((values, int32 indices), (n, dtype))`."""
-        seg = _util.Segments.of(ctx.layout_of(x))
+        seg = _segments.Segments.of(ctx.layout_of(x))
         seed = tf.convert_to_tensor(ctx.seed, tf.int64)
-        idx, valid, values = _util.top_per_segment(
-            tf.cast(x, _util.work_dtype(x.dtype)), seg, _util.counts(self.ratio, seg),
-            lambda m, k: _util.select(m, k, seed, self.sample_ratio,
+        idx, valid, values = _selection.top_per_segment(
+            tf.cast(x, _util.work_dtype(x.dtype)), seg, _selection.counts(self.ratio, seg),
+            lambda m, k: _selection.select(m, k, seed, self.sample_ratio,
                                       stage=ctx.stage))
         values = tf.cast(values, x.dtype)
         if valid is not None:

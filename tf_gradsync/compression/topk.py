@@ -11,12 +11,12 @@ import math
 
 import tensorflow as tf
 
-from tf_gradsync.compression import _util
+from tf_gradsync.compression import _segments, _selection, _sparse, _util
 from tf_gradsync.compression.base import Compressor, Context, register
 
 
 @register("topk")
-class TopK(_util.SparseDecoding, Compressor):
+class TopK(_sparse.SparseDecoding, Compressor):
     """Keeps the k = max(1, ceil(ratio * size)) entries of largest magnitude of each tensor.
 
     k is taken per tensor of the bucket, as DGC selects per layer, so a layer with
@@ -50,19 +50,19 @@ class TopK(_util.SparseDecoding, Compressor):
         self.ratio = ratio
 
     def send_interval(self) -> float:
-        return _util.magnitude_send_interval(self.ratio)
+        return _selection.magnitude_send_interval(self.ratio)
 
     def compress(self, x: tf.Tensor, ctx: Context):
         """Returns `((values, int32 indices), (n, dtype))`."""
-        seg = _util.Segments.of(ctx.layout_of(x))
+        seg = _segments.Segments.of(ctx.layout_of(x))
         wd = _util.work_dtype(x.dtype)
         finite = _util.all_finite(x)
 
         def exact(m, k):
-            idx, values = _util.top_k_entries(m, k, full=~finite,
+            idx, values = _selection.top_k_entries(m, k, full=~finite,
                                               stage=ctx.stage)
             return idx, None, values
-        idx, _, values = _util.top_per_segment(
-            tf.cast(x, wd), seg, _util.counts(self.ratio, seg), exact)
+        idx, _, values = _selection.top_per_segment(
+            tf.cast(x, wd), seg, _selection.counts(self.ratio, seg), exact)
         bad = tf.where(finite, tf.constant(0, x.dtype), tf.constant(math.nan, x.dtype))
         return (tf.cast(values, x.dtype) + bad, idx), (seg.numel, x.dtype)
