@@ -1,6 +1,7 @@
 """Compression state survives checkpoints: an interrupted and resumed run reproduces
 the uninterrupted one (tf.train.Checkpoint, model.save_weights, BackupAndRestore)."""
 
+import logging
 import os
 import subprocess
 import sys
@@ -203,6 +204,33 @@ def test_tf_keras_checkpoint_carries_state(tmp_path):
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0 and "OK" in out.stdout, out.stdout[-2000:] + out.stderr[-4000:]
+
+
+def test_loaded_state_that_no_variable_takes_is_kept_and_named(data, devices, caplog):
+    # State saved by another version of a compressor (a field renamed) restores what
+    # still matches; what matches nothing is kept, and a warning names it once the
+    # plan's variables exist, or at once when loaded after.
+    x, y = data
+    ops, strategy = _strategy("topk", devices)
+    model = _model(strategy, ops)
+    model.fit(x[:BATCH], y[:BATCH], batch_size=BATCH, epochs=1, verbose=0)
+    saved = _state_values(ops)
+    key = next(k for k in saved if k.startswith(ops.compressor.name + "_"))
+    stale, later = key + "_v1", key + "_v2"
+
+    ops2, strategy2 = _strategy("topk", devices)
+    model2 = _model(strategy2, ops2)
+    ops2._state.assign({**saved, stale: saved[key] + 1})
+    with caplog.at_level(logging.WARNING):
+        model2.fit(x[:BATCH], y[:BATCH], batch_size=BATCH, epochs=1, verbose=0)
+    assert f"1 loaded state values match no variable and are not restored ({stale})" \
+        in caplog.text
+    np.testing.assert_array_equal(ops2._state.values()[stale], saved[key] + 1)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        ops2._state.assign({key: saved[key], later: saved[key]})
+    assert f"({later})" in caplog.text and stale not in caplog.text
+    np.testing.assert_array_equal(ops2._state.values()[key], saved[key])
 
 
 def test_track_state_rejects_bad_input(devices):

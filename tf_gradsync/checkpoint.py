@@ -45,7 +45,9 @@ def track_state(model, ops: CompressedAllReduce) -> None:
 
     In a multi-worker job every worker restores the chief's copy: state that is the same
     on every worker (step counter, PowerSGD's Q, adaptive decisions) resumes exactly;
-    local state (residuals, DGC momentum) resumes with the chief's values.
+    local state (residuals, DGC momentum) resumes with the chief's values. Loaded state
+    that no variable takes (written by another version or configuration of the
+    compressor) is kept and saved again but restores nothing, and a warning names it.
 
     Args:
       model: a Keras 3 or tf_keras model.

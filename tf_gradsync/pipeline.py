@@ -182,6 +182,7 @@ class Pipeline:
             # destination outside the ring.
             off_source = sum(d not in src for d in dests)
             dense += b.nbytes * 2 * (total - 1) * n // total + b.nbytes * off_source
+        self.state.seal(_state_prefix(compressor, plan))
         per_dest = []
         for k, d in enumerate(dests):
             with tf.device(d), tf.name_scope("unpack"):
@@ -243,10 +244,15 @@ class Pipeline:
             tag = f"x{chunks.count}_"
         state = {}
         for name, spec in specs.items():
-            key = f"{compressor.name}_{plan.fingerprint}_b{bucket.id}_r{replica}_{tag}{name}"
+            key = f"{_state_prefix(compressor, plan)}b{bucket.id}_r{replica}_{tag}{name}"
             state[name] = self.state.variable(
                 key, lambda spec=spec: spec.initializer(spec.shape, spec.dtype), device)
         return state
+
+
+def _state_prefix(compressor: Compressor, plan: BucketPlan) -> str:
+    """What the keys of `compressor`'s state under `plan` start with."""
+    return f"{compressor.name}_{plan.fingerprint}_"
 
 
 def path_of(value, compress: bool = True) -> str:

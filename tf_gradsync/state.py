@@ -10,7 +10,8 @@ the next one, whichever way it is read:
   dict; a restore issued before they exist is applied when they are created.
 * Keras 3 weight files (`model.save_weights`, `BackupAndRestore`): see
   `tf_gradsync.track_state`; values loaded before the variables exist are kept and
-  become their initial values.
+  become their initial values. Values that no variable takes once a bucket plan's
+  variables all exist are named in a warning (`SyncState.seal`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Callable, Mapping
 
 import numpy as np
 import tensorflow as tf
+from absl import logging
 
 from tf_gradsync import _tf_compat
 
@@ -29,6 +31,7 @@ class _Pending:
 
     def __init__(self):
         self.values: dict[str, np.ndarray] = {}
+        self.sealed: set[str] = set()      # key prefixes whose variables all exist
 
 
 class SyncState(tf.Module):
@@ -84,14 +87,38 @@ class SyncState(tf.Module):
         out.update({k: v.numpy() for k, v in self._variables.items()})
         return out
 
+    def seal(self, prefix: str) -> None:
+        """Declares every variable whose key starts with `prefix` created (a bucket
+        plan's state, once traced). Loaded values under it that no variable took, now
+        or loaded later, are state of another version or configuration of the ops:
+        they are kept (and saved again) but restore nothing, and a warning names them."""
+        if prefix not in self._pending.sealed:
+            self._pending.sealed.add(prefix)
+            _warn_unclaimed([k for k in self._pending.values if k.startswith(prefix)])
+
     def assign(self, values: Mapping[str, np.ndarray]) -> None:
         """Assigns loaded values: now to existing variables, at creation to the others."""
+        unclaimed = []
         for key, value in values.items():
             value = np.asarray(value)
             if key in self._variables:
                 _assign(self._variables[key], key, value)
             else:
                 self._pending.values[key] = value
+                if any(key.startswith(p) for p in self._pending.sealed):
+                    unclaimed.append(key)
+        _warn_unclaimed(unclaimed)
+
+
+def _warn_unclaimed(keys: list[str]) -> None:
+    if keys:
+        keys = sorted(keys)
+        logging.warning(
+            "tf_gradsync: %d loaded state values match no variable and are not restored "
+            "(%s%s): they come from another version or configuration of the compressor, "
+            "and the state they held (error feedback, momentum, warm starts) starts from "
+            "its initial values.", len(keys), ", ".join(keys[:4]),
+            ", ..." if len(keys) > 4 else "")
 
 
 def _assign(var: tf.Variable, key: str, value: np.ndarray) -> None:
