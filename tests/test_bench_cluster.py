@@ -297,11 +297,14 @@ def test_tiny_end_to_end_run(tmp_path):
     again[0]["cores"] = "1/2"
     cluster.predict(again, compute["probes"], compute["specs"], 2)
     assert again[2]["codec_s"] == pytest.approx(2 * fp16["codec_s"])
-    # The rates priced are those each worker timed on one core.
-    assert all(p["throughput_one_core"].keys() == p["throughput"].keys()
+    # The codecs priced are those each worker timed on one core: a rate and a cost per
+    # call, both measured.
+    assert all(p["throughput_one_core"].keys() == p["call_s_one_core"].keys()
+               and all(s > 0 for s in p["call_s_one_core"].values())
                for p in compute["probes"])
     for p in compute["probes"]:
         p["throughput_one_core"] = {m: 2 * v for m, v in p["throughput_one_core"].items()}
+        p["call_s_one_core"] = {m: v / 2 for m, v in p["call_s_one_core"].items()}
     again[0]["cores"] = "2/2"
     cluster.predict(again, compute["probes"], compute["specs"], 2)
     assert again[2]["codec_s"] == pytest.approx(fp16["codec_s"] / 2)

@@ -144,6 +144,37 @@ def test_a_gather_prices_each_further_payload_by_how_decodings_run(name):
         assert p.codec_s == pytest.approx(dense / 1e9 * (1 + 7 * share))
 
 
+def test_each_call_of_the_data_path_costs_call_s_and_two_phases_make_one_per_chunk():
+    payloads = costmodel.model_payloads("topk", [((1000, 600), tf.float32), ((50,), tf.float32)],
+                                        1 << 20, 4)
+    split = sum(b.chunks is not None for b in payloads)
+    assert len(payloads) > 1 and split
+    for exchange, calls in (("gather", len(payloads)),
+                            ("two_phase", 4 * split + len(payloads) - split)):
+        for share in (1.0, 0.5):
+            plain = costmodel.predict("topk", payloads, exchange, 4, Link(), 0.1, 1e9,
+                                      cpu_share=share)
+            called = costmodel.predict("topk", payloads, exchange, 4, Link(), 0.1, 1e9,
+                                       cpu_share=share, call_s=1e-3)
+            assert called.codec_s - plain.codec_s == pytest.approx(calls * 1e-3 / share)
+    with pytest.raises(ValueError, match="call_s must be >= 0, got -1"):
+        costmodel.predict("topk", payloads, "gather", 4, Link(), 0.1, call_s=-1)
+
+
+def test_a_codec_is_fitted_as_a_cost_per_call_and_a_rate(monkeypatch):
+    def timed(fixed):
+        return lambda compressor, numel, repeats, **kw: {"seconds": fixed + numel * 4 / 2e9}
+    monkeypatch.setattr(costmodel, "measure_throughput", timed(3e-4))
+    rate, call = costmodel.measure_codec("sign", 1 << 20)
+    assert rate == pytest.approx(2e9) and call == pytest.approx(3e-4)
+    # Shorter calls no cheaper per byte: no fixed part.
+    monkeypatch.setattr(costmodel, "measure_throughput", timed(0.0))
+    assert costmodel.measure_codec("sign", 1 << 20) == pytest.approx((2e9, 0.0))
+    monkeypatch.undo()
+    rate, call = costmodel.measure_codec("int8", 1 << 17, repeats=2)
+    assert rate > 0 and call >= 0
+
+
 def test_predict_refuses_an_exchange_the_payload_cannot_take():
     payloads = costmodel.model_payloads("topk", SPECS, 4096, 2)
     with pytest.raises(ValueError, match="topk cannot travel in 'ring'; valid: gather, two_phase"):

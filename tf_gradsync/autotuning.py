@@ -90,7 +90,7 @@ def decide(specs: Sequence[tuple[Sequence[int], tf.DType]], workers: int, link: 
            compute_s: float, compressors: Sequence[str],
            throughput: dict[str, float] | None = None,
            bucket_sizes: Sequence[int] = BUCKET_SIZES, overlap: float = 0.0,
-           cpu_share: float = 1.0) -> Decision:
+           cpu_share: float = 1.0, call_s: dict[str, float] | None = None) -> Decision:
     """The fastest predicted `(compressor, exchange, bucket_bytes)` among `compressors`.
 
     Pure: the same arguments give the same decision on every worker. Ties go to the
@@ -103,6 +103,7 @@ def decide(specs: Sequence[tuple[Sequence[int], tf.DType]], workers: int, link: 
       compute_s: forward + backward seconds per step.
       compressors: candidate names (`none` is priced as the reference in any case).
       throughput: compress + decompress bytes/s per name (default: the cost model's).
+      call_s: seconds per data path call by name (`costmodel.measure_codec`; default 0).
       bucket_sizes: candidate `bucket_bytes`.
       overlap, cpu_share: see `costmodel.predict`.
     """
@@ -114,7 +115,8 @@ def decide(specs: Sequence[tuple[Sequence[int], tf.DType]], workers: int, link: 
             rate = (throughput or {}).get(name)
             for exchange in costmodel.exchanges_for(c):
                 p = costmodel.predict(c, payloads, exchange, workers, link, compute_s, rate,
-                                      overlap, cpu_share)
+                                      overlap, cpu_share,
+                                      call_s=(call_s or {}).get(name, 0.0))
                 if name == "none":
                     reference = min(reference, p.step_s)
                 if name in compressors:
@@ -247,7 +249,8 @@ def autotune(strategy: tf.distribute.Strategy, weights, *, compute: float | Call
       compressors: the candidates instead of the class's.
       bucket_sizes: candidate `bucket_bytes`.
       probe_bytes: sizes of the probing all-reduces.
-      calibrate_numel: elements each candidate compresses when timed.
+      calibrate_numel: elements each candidate compresses when timed (and an eighth
+        of it, for the cost of a call whatever its length: `costmodel.measure_codec`).
       overlap: see `costmodel.predict` (0, the conservative default, assumes no
         exchange hides behind backprop).
       trials: how many candidates (the best bucket size of each compressor and
@@ -299,14 +302,16 @@ def autotune(strategy: tf.distribute.Strategy, weights, *, compute: float | Call
     probe = ([*probe_link(strategy, probe_bytes),
               probe_all_to_all(strategy, timeout=ops_kwargs.get("timeout_seconds") or 0)]
              if workers > 1 else [])
-    rates = [costmodel.measure_throughput(CompressedAllReduce(n).compressor, calibrate_numel,
-                                          3)["bytes_per_s"]
-             for n in dict.fromkeys(["none", *names])]
-    measured = _mean_over_workers(strategy, [*probe, compute_s, *rates])
+    priced = list(dict.fromkeys(["none", *names]))
+    codecs = [x for n in priced for x in
+              costmodel.measure_codec(CompressedAllReduce(n).compressor, calibrate_numel)]
+    measured = _mean_over_workers(strategy, [*probe, compute_s, *codecs])
     probe, compute_s = measured[:len(probe)], measured[len(probe)]
-    throughput = dict(zip(dict.fromkeys(["none", *names]), measured[len(probe) + 1:]))
+    codecs = measured[len(probe) + 1:]
+    throughput, calls = dict(zip(priced, codecs[0::2])), dict(zip(priced, codecs[1::2]))
     link = fit_link(probe_bytes, probe[:-1], workers, probe[-1]) if workers > 1 else Link()
-    decision = decide(specs, workers, link, compute_s, names, throughput, bucket_sizes, overlap)
+    decision = decide(specs, workers, link, compute_s, names, throughput, bucket_sizes, overlap,
+                      call_s=calls)
     if trials > 1 and workers > 1:
         decision = _try(strategy, specs, decision, trials, trial_steps, current, ops_kwargs)
     ops = decision.ops(**ops_kwargs)

@@ -47,6 +47,8 @@ DEFAULT_THROUGHPUT = 1e9
 #: Share of a compress + decompress spent decoding one payload (decoding is assumed to
 #: cost as much as encoding); an all-gather decodes N payloads.
 DECODE_SHARE = 0.5
+#: `measure_codec` times the data path on a bucket and on one this many times shorter.
+CALL_SPLIT = 8
 #: The share of each further gathered payload when the compressor's decodings compile
 #: (`Compressor.xla_decode`; `CompressedAllReduce(jit_compile=True)`, the default): XLA
 #: sums the payloads in the loop that writes the bucket. Measured per extra payload over
@@ -155,7 +157,8 @@ def exchanges_for(compressor: Compressor | str, local: int = 1) -> tuple[str, ..
 def predict(compressor: Compressor | str, payloads: Sequence[BucketPayload], exchange: str,
             workers: int, link: Link, compute_s: float, throughput: float | None = None,
             overlap: float = 0.0, cpu_share: float = 1.0, local: int = 1,
-            local_link: Link | None = None, jit_compile: bool = True) -> Prediction:
+            local_link: Link | None = None, jit_compile: bool = True,
+            call_s: float = 0.0) -> Prediction:
     """Predicted step of one compressor and exchange.
 
     step = compute + max(last bucket's exchange, codec + wire - overlap * compute):
@@ -173,7 +176,7 @@ def predict(compressor: Compressor | str, payloads: Sequence[BucketPayload], exc
       link: between workers.
       compute_s: seconds of forward and backward per step.
       throughput: compress + decompress bytes of input per second on one core
-        (default: `THROUGHPUT`).
+        (default: `THROUGHPUT`); with `call_s`, the rate beyond that fixed part.
       overlap: share of the compute that exchanges may hide behind, in [0, 1].
       cpu_share: cores per worker when workers share cores (e.g. 0.5: two workers on
         one core); codec time scales by its inverse when below 1.
@@ -182,6 +185,9 @@ def predict(compressor: Compressor | str, payloads: Sequence[BucketPayload], exc
       jit_compile: whether the ops compile their decodings (`CompressedAllReduce`'s
         setting): a gather's further payloads then cost `DECODE_SHARE_COMPILED` of a
         round trip each where the compressor's decodings compile, else `DECODE_SHARE`.
+      call_s: seconds of one call of the data path on one core whatever its length
+        (`measure_codec`): a bucket is one call, except in two phases, where each of
+        the N chunks is encoded by a call of its own.
 
     Raises:
       ValueError: for an exchange the compressor's payloads cannot travel in, or an
@@ -197,6 +203,8 @@ def predict(compressor: Compressor | str, payloads: Sequence[BucketPayload], exc
         raise ValueError(f"cpu_share must be > 0, got {cpu_share!r}")
     if not compute_s >= 0:
         raise ValueError(f"compute_s must be >= 0, got {compute_s!r}")
+    if not call_s >= 0:
+        raise ValueError(f"call_s must be >= 0, got {call_s!r}")
     rate = throughput or THROUGHPUT.get(c.name, DEFAULT_THROUGHPUT)
     n, sent, wire, codec, last = workers, 0.0, 0.0, 0.0, 0.0
     for b in payloads:
@@ -206,7 +214,7 @@ def predict(compressor: Compressor | str, payloads: Sequence[BucketPayload], exc
             kind_bytes = [("two_phase", chunk, server)]
             # Chunks encoded, N chunk payloads decoded, the owned chunk re-encoded and
             # N re-encoded chunks decoded: about 1.5 + 0.5/N round trips.
-            work = roundtrip * (1 + DECODE_SHARE + DECODE_SHARE / n)
+            work = roundtrip * (1 + DECODE_SHARE + DECODE_SHARE / n) + n * call_s
         else:
             # SUM rounds are all-reduced (by `exchange` if it is an all-reduce),
             # GATHER rounds all-gathered (also a two-phase bucket too small to cut).
@@ -214,7 +222,7 @@ def predict(compressor: Compressor | str, payloads: Sequence[BucketPayload], exc
             kind_bytes = [("gather" if t == GATHER else reduce, p, None) for t, p in b.rounds]
             gathered = any(t == GATHER for t, _ in b.rounds)
             share = DECODE_SHARE_COMPILED if jit_compile and c.xla_decode else DECODE_SHARE
-            work = roundtrip * (1 + (n - 1) * share if gathered else 1)
+            work = roundtrip * (1 + (n - 1) * share if gathered else 1) + call_s
         w = sum(exchange_seconds(k, n, p, link, s, local, local_link) for k, p, s in kind_bytes)
         sent += sum(bytes_sent(k, n, p, s) for k, p, s in kind_bytes)
         work /= min(cpu_share, 1.0)
@@ -331,7 +339,30 @@ def measure_throughput(compressor: Compressor | str, numel: int, repeats: int = 
     sec, first = median_seconds(lambda: run(x), repeats)
     return {"seconds": sec, "bytes_per_s": numel * 4 / sec, "payload_bytes": int(first[1])}
 
-__all__ = ["BucketPayload", "DECODE_SHARE", "DECODE_SHARE_COMPILED", "DEFAULT_THROUGHPUT",
-           "Prediction", "STEADY_STEP", "THROUGHPUT", "bucket_payload", "bucket_rounds",
-           "choose_exchange", "exchanges_for", "matrix_shape", "measure_throughput",
-           "median_seconds", "model_payloads", "predict", "roundtrip_fn"]
+def measure_codec(compressor: Compressor | str, numel: int, repeats: int = 3,
+                  jit_compile: bool = True) -> tuple[float, float]:
+    """The data path's cost on this machine's current threads as `(bytes_per_s,
+    call_s)`: timed (`measure_throughput`) on `numel` entries and on `numel //
+    CALL_SPLIT`, and fitted as `call_s` per call (at most half the longer call) plus
+    bytes of input at `bytes_per_s`.
+
+    A call has costs its length does not change (launching its ops and compiled
+    clusters, small reductions and selections): one core, the data path of 125K
+    entries took 0.4-0.9 ms against 1.2-6.4 for 1M (BENCHMARKS.md, "Codec calls").
+    Two phases make N such calls per bucket where one length-priced call would
+    count once (`predict`'s `call_s`).
+
+    Example:
+      >>> rate, call = measure_codec("sign", 1 << 20)
+    """
+    long = measure_throughput(compressor, numel, repeats, jit_compile=jit_compile)["seconds"]
+    short = measure_throughput(compressor, max(1, numel // CALL_SPLIT), repeats,
+                               jit_compile=jit_compile)["seconds"]
+    call = min(max(0.0, (CALL_SPLIT * short - long) / (CALL_SPLIT - 1)), long / 2)
+    return numel * 4 / (long - call), call
+
+
+__all__ = ["BucketPayload", "CALL_SPLIT", "DECODE_SHARE", "DECODE_SHARE_COMPILED",
+           "DEFAULT_THROUGHPUT", "Prediction", "STEADY_STEP", "THROUGHPUT", "bucket_payload",
+           "bucket_rounds", "choose_exchange", "exchanges_for", "matrix_shape", "measure_codec",
+           "measure_throughput", "median_seconds", "model_payloads", "predict", "roundtrip_fn"]

@@ -140,23 +140,26 @@ def calibrate_compute(model: str | None, params: int | None, batch: int, repeats
     return costmodel.median_seconds(step, repeats)[0]
 
 
-def calibrate_throughput(specs: Sequence[str], numel: int = CALIBRATE_NUMEL) -> dict[str, float]:
-    """Bytes of float32 input per second through a bucket's data path (prescale,
-    compress with error feedback, decode, sum, compression error) with this process's
-    threads, per compressor spec, as `CompressedAllReduce` builds it."""
+def calibrate_codecs(specs: Sequence[str], numel: int = CALIBRATE_NUMEL
+                     ) -> tuple[dict[str, float], dict[str, float]]:
+    """Each compressor spec's bucket data path (prescale, compress with error feedback,
+    decode, sum, compression error) as `CompressedAllReduce` builds it, with this
+    process's threads (`costmodel.measure_codec`): `(bytes of float32 input per
+    second, seconds per call)`, each by spec."""
     from tf_gradsync import costmodel  # pylint: disable=import-outside-toplevel
     from tf_gradsync.bench import ops_from_spec  # pylint: disable=import-outside-toplevel
-    rates = {}
+    rates, calls = {}, {}
     for s in specs:
         ops = ops_from_spec(s)
-        rates[s] = costmodel.measure_throughput(ops.compressor, numel, 3,
-                                                jit_compile=ops.jit_compile)["bytes_per_s"]
-    return rates
+        rates[s], calls[s] = costmodel.measure_codec(ops.compressor, numel,
+                                                     jit_compile=ops.jit_compile)
+    return rates, calls
 
 
 def plan(specs, compressors: Sequence[str], workers: Sequence[int], bandwidths: Sequence[str],
          compute_s: float, latency_s: float = 50e-6, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-         overlap: float = 0.0, throughput: dict[str, float] | None = None) -> list[dict]:
+         overlap: float = 0.0, throughput: dict[str, float] | None = None,
+         call_s: dict[str, float] | None = None) -> list[dict]:
     """One row per (workers, bandwidth, compressor, exchange), as in `COLUMNS`.
 
     `predicted_speedup` is `none`'s fastest exchange over this row's step, for the
@@ -172,6 +175,7 @@ def plan(specs, compressors: Sequence[str], workers: Sequence[int], bandwidths: 
       bucket_bytes: the bucket size the payloads are planned with.
       overlap: see `costmodel.predict`.
       throughput: bytes/s per compressor name (default: `costmodel.THROUGHPUT`).
+      call_s: seconds per data path call by name (`calibrate_codecs`; default 0).
 
     Raises:
       ValueError: for a bad compressor, rate or setting (naming it and the choices).
@@ -191,7 +195,8 @@ def plan(specs, compressors: Sequence[str], workers: Sequence[int], bandwidths: 
                 rate = (throughput or {}).get(spec)
                 for ex in costmodel.exchanges_for(ops.compressor):
                     p = costmodel.predict(ops.compressor, payloads[spec], ex, n, link, compute_s,
-                                          rate, overlap, jit_compile=ops.jit_compile)
+                                          rate, overlap, jit_compile=ops.jit_compile,
+                                          call_s=(call_s or {}).get(spec, 0.0))
                     group.append({"compressor": spec, "exchange": ex, "workers": n,
                                   "bandwidth": band, "bytes_per_worker": round(p.bytes_per_worker),
                                   "wire_s": p.wire_s, "codec_s": p.codec_s,
@@ -234,13 +239,13 @@ def main(argv: Sequence[str]) -> None:
         compute_s = FLAGS.compute_s
         if compute_s is None:
             compute_s = calibrate_compute(FLAGS.model, FLAGS.params, FLAGS.batch)
-        throughput = None
+        throughput = calls = None
         if FLAGS.codec_gbps is not None:
             throughput = {n: FLAGS.codec_gbps * 1e9 for n in ["none", *names]}
         elif FLAGS.calibrate:
-            throughput = calibrate_throughput(list(dict.fromkeys(["none", *names])))
+            throughput, calls = calibrate_codecs(list(dict.fromkeys(["none", *names])))
         rows = plan(specs, names, workers, FLAGS.bandwidth, compute_s, FLAGS.latency_us * 1e-6,
-                    FLAGS.bucket_bytes, FLAGS.overlap, throughput)
+                    FLAGS.bucket_bytes, FLAGS.overlap, throughput, calls)
     except ValueError as e:
         sys.exit(f"plan: {e}")
     from tf_gradsync.bench.__main__ import table  # pylint: disable=import-outside-toplevel

@@ -253,11 +253,11 @@ def predict(rows: list[dict], probes: list[dict], specs: list, n: int) -> None:
     compressor row it predicts fastest (what `autotune` would choose among them).
 
     Its inputs are measured in the same sitting: the link fitted to the probing
-    all-reduces and all-to-all (`autotuning.fit_link`), each compressor's throughput
-    timed by each worker alone on one core (the cores' sharing among the N workers
-    charged as the model's `cpu_share`, cores / N; older probes timed it on all of a
-    worker's threads, or by all workers at once, and are taken as they are), and the
-    compute-only row's step as compute.
+    all-reduces and all-to-all (`autotuning.fit_link`), each compressor's data path
+    timed by each worker alone on one core, as a rate and seconds per call (the cores'
+    sharing among the N workers charged as the model's `cpu_share`, cores / N; older
+    probes timed a rate alone, on all of a worker's threads, or by all workers at once,
+    and are taken as they are), and the compute-only row's step as compute.
     """
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
     from tf_gradsync import autotuning, costmodel  # pylint: disable=import-outside-toplevel
@@ -270,6 +270,8 @@ def predict(rows: list[dict], probes: list[dict], specs: list, n: int) -> None:
     # cores, so none has TensorFlow's threads spread over several).
     key = "throughput_one_core" if probes[0].get("throughput_one_core") else "throughput"
     rates = {m: sum(p[key][m] for p in probes) / n for m in probes[0][key]}
+    calls = {m: sum(p.get("call_s_one_core", {}).get(m, 0.0) for p in probes) / n
+             for m in rates}
     specs = [(tuple(shape), tf.as_dtype(dtype)) for shape, dtype in specs]
     compute = rows[0]["step_s"]
     cores = int(str(rows[0].get("cores", n)).split("/")[0])
@@ -283,10 +285,11 @@ def predict(rows: list[dict], probes: list[dict], specs: list, n: int) -> None:
         bucket_bytes = decision["bucket_bytes"] if decision else ops.bucket_bytes
         payloads = costmodel.model_payloads(ops.compressor, specs, bucket_bytes, n)
         # autotune's pick is a plain name: the rate of the probed spec it names.
-        rate = rates.get(spec) or next(
-            (v for m, v in rates.items() if m.split(":")[0] == spec), None)
+        probed = spec if spec in rates else next(
+            (m for m in rates if m.split(":")[0] == spec), None)
         p = costmodel.predict(ops.compressor, payloads, kinds[row["exchange"]], n, link, compute,
-                              rate, cpu_share=share, jit_compile=ops.jit_compile)
+                              rates.get(probed), cpu_share=share, jit_compile=ops.jit_compile,
+                              call_s=calls.get(probed, 0.0))
         row["predicted_s"] = p.step_s
         row["codec_s"] = p.codec_s if row["mode"] != "stock MWMS" else 0.0
         row["prediction_error"] = p.step_s / row["step_s"] - 1

@@ -42,13 +42,13 @@ def probe(modes: list[str], numel: int) -> dict:
     """A probing job's part (the cost model's measurements, on the cluster of the runs):
     exact all-reduces of `autotuning.PROBE_BYTES` through TensorFlow's
     collectives (seconds each), an all-to-all of tiny parts as two phases run it
-    (`autotuning.probe_all_to_all`), and the throughput of each mode's bucket data path
-    (`plan.calibrate_throughput`) on `numel` elements, each worker in its turn while the
-    others wait: one worker's rates on every core (`throughput`) and on one core
-    (`throughput_one_core`), which the cost model scales by the cores each worker gets
-    in the runs (`costmodel.predict`'s `cpu_share`). Timed all at once, unsynchronised,
-    a worker's calls met the others' tracing or timing by chance: the same compressor's
-    rate moved 2-3x between sittings."""
+    (`autotuning.probe_all_to_all`), and each mode's bucket data path on `numel`
+    elements and an eighth of that (`plan.calibrate_codecs`), timed by each worker in
+    its turn while the others wait, on one core: its rate (`throughput_one_core`) and
+    its seconds per call (`call_s_one_core`), which the cost model scales by the cores
+    each worker gets in the runs (`costmodel.predict`'s `cpu_share`). Timed all at
+    once, unsynchronised, a worker's calls met the others' tracing or timing by chance:
+    the same compressor's rate moved 2-3x between sittings."""
     import tensorflow as tf
     import tf_gradsync as gs
     from tf_gradsync import autotuning, plan
@@ -56,16 +56,15 @@ def probe(modes: list[str], numel: int) -> dict:
     strategy = gs.MultiWorkerMirroredStrategy()
     seconds = autotuning.probe_link(strategy)
     all_to_all = autotuning.probe_all_to_all(strategy, timeout=60)
-    rates = one_core = None
+    rates = calls = None
     for turn in range(strategy.num_workers):
         _barrier(strategy)
         if turn == strategy.worker_index:
-            rates = plan.calibrate_throughput(modes, numel)
             with _one_core():
-                one_core = plan.calibrate_throughput(modes, numel)
+                rates, calls = plan.calibrate_codecs(modes, numel)
     _barrier(strategy)
     return {"mode": "probe", "probe_bytes": list(autotuning.PROBE_BYTES), "probe_s": seconds,
-            "all_to_all_s": all_to_all, "throughput": rates, "throughput_one_core": one_core,
+            "all_to_all_s": all_to_all, "throughput_one_core": rates, "call_s_one_core": calls,
             "alone": True}
 
 
