@@ -276,9 +276,12 @@ def test_accuracy_seeds(devices):
 def test_micro_times_codecs_compiled_and_not_on_the_same_payload(name):
     from tf_gradsync.bench import micro
     rows = [micro.measure(name, 1 << 14, 1, jit) for jit in (True, False)]
-    assert [r["jit_compile"] for r in rows] == [True, False]
-    assert rows[0]["payload_bytes"] == rows[1]["payload_bytes"] > 0
-    assert all(r["gb_per_s"] > 0 and r["ratio"] == (1 << 16) / r["payload_bytes"] for r in rows)
+    rows.append(micro.measure(name, 1 << 14, 1, True, data_path=True))
+    assert [(r["jit_compile"], r["data_path"]) for r in rows] == [
+        (True, False), (False, False), (True, True)]
+    assert rows[0]["payload_bytes"] == rows[1]["payload_bytes"] == rows[2]["payload_bytes"] > 0
+    assert all(r["gb_per_s"] > 0 and r["ratio"] == (1 << 16) / r["payload_bytes"]
+               and r["ms"] == r["seconds"] * 1e3 for r in rows)
 
 
 @pytest.mark.parametrize("keep", [True, False])

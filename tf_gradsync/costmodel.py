@@ -348,7 +348,7 @@ def measure_codec(compressor: Compressor | str, numel: int, repeats: int = 3,
 
     A call has costs its length does not change (launching its ops and compiled
     clusters, small reductions and selections): one core, the data path of 125K
-    entries took 0.4-0.9 ms against 1.2-6.4 for 1M (BENCHMARKS.md, "Codec calls").
+    entries took 0.42-1.67 ms against 1.07-6.66 for 1M (BENCHMARKS.md, "Codec calls").
     Two phases make N such calls per bucket where one length-priced call would
     count once (`predict`'s `call_s`).
 

@@ -17,6 +17,9 @@ flags.DEFINE_list("sizes", ["1000000", "25000000"], "micro: bucket sizes (elemen
 flags.DEFINE_integer("repeats", 5, "micro: timed repetitions.")
 flags.DEFINE_list("micro_jit_compile", ["true"], "micro: compile the codecs with XLA where "
                   "they declare it (true), or not (false); both side by side: true,false.")
+flags.DEFINE_boolean("micro_data_path", False, "micro: time a bucket's whole data path as "
+                     "the cost model prices it (prescale, error feedback, two replicas' sum, "
+                     "the compression error) instead of the codec alone.")
 flags.DEFINE_boolean("micro_keep_buffers", True, "micro: glibc keeps freed buffers for "
                      "reuse (keep_freed_buffers) instead of returning large ones to the kernel.")
 FLAGS = flags.FLAGS
@@ -24,17 +27,19 @@ FLAGS = flags.FLAGS
 PLOT = ("compressor", "gb_per_s", "GB/s of float32 input", "numel")
 
 
-def measure(name, numel: int, repeats: int = 5, jit_compile: bool = True) -> dict:
-    """Median seconds per compress+decompress, GB/s of dense input, payload bytes, ratio
-    (`costmodel.measure_throughput`; `name` a compressor's name or instance)."""
+def measure(name, numel: int, repeats: int = 5, jit_compile: bool = True,
+            data_path: bool = False) -> dict:
+    """Median seconds per compress+decompress (or per call of the whole data path), GB/s
+    of dense input, payload bytes, ratio (`costmodel.measure_throughput`; `name` a
+    compressor's name or instance)."""
     compressor = compression.get(name)
-    row = costmodel.measure_throughput(compressor, numel, repeats, data_path=False,
+    row = costmodel.measure_throughput(compressor, numel, repeats, data_path=data_path,
                                        jit_compile=jit_compile)
     sec, sent = row["seconds"], row["payload_bytes"]
     dense = numel * 4
     return {"compressor": compressor.name, "numel": numel, "jit_compile": jit_compile,
-            "seconds": sec, "gb_per_s": dense / sec / 1e9, "payload_bytes": sent,
-            "ratio": dense / max(sent, 1)}
+            "data_path": data_path, "seconds": sec, "ms": sec * 1e3,
+            "gb_per_s": dense / sec / 1e9, "payload_bytes": sent, "ratio": dense / max(sent, 1)}
 
 
 def run() -> tuple[list[dict], list[str]]:
@@ -53,7 +58,7 @@ def run() -> tuple[list[dict], list[str]]:
             for jit in modes:
                 print(f"[bench] micro {name} {size} jit_compile={jit}", file=sys.stderr,
                       flush=True)
-                rows.append(dict(measure(name, int(size), FLAGS.repeats, jit),
-                                 allocation=allocation))
-    return rows, ["compressor", "numel", "jit_compile", "allocation", "gb_per_s",
-                  "payload_bytes", "ratio"]
+                rows.append(dict(measure(name, int(size), FLAGS.repeats, jit,
+                                         FLAGS.micro_data_path), allocation=allocation))
+    return rows, ["compressor", "numel", "jit_compile", "data_path", "allocation", "ms",
+                  "gb_per_s", "payload_bytes", "ratio"]
