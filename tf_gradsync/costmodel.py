@@ -9,7 +9,8 @@ link, less what overlaps. Each part comes from something measurable:
 * each compressor's payload for each bucket of a model's bucket plan, from the payload
   tensors the compressor itself builds for that bucket's layout (`bucket_rounds`),
   so layer-aware statistics (per-tensor scales, per-matrix PowerSGD factors) count;
-* the compressor's throughput on the device (`THROUGHPUT`, or measured);
+* the compressor's throughput on the device (`THROUGHPUT`, or measured with a cost per
+  call: `measure_codec`);
 * the step's compute and how much of the exchange hides behind backprop (`overlap`).
 
 `predict` combines them for one compressor and exchange; `python -m tf_gradsync.plan`

@@ -7,8 +7,9 @@ It prints a table (compressor, exchange, bytes per worker, predicted step second
 predicted speed-up over `none`) from the cost model (`tf_gradsync.costmodel`,
 docs/cost_model.md); `--json` writes the rows. Several `--workers` and `--bandwidth`
 values give a row per combination (and `--png` draws each compressor's best predicted
-speed-up against the worker count). `--calibrate` measures compressor throughput, and
-the compute of `--model` (or of `--params` as one square Dense layer), on this machine.
+speed-up against the worker count). `--calibrate` measures each compressor's data path
+(a rate and a cost per call), and the compute of `--model` (or of `--params` as one
+square Dense layer), on this machine.
 
 Models: a `keras.applications` name (any case: resnet50, MobileNetV2, ...) with random
 weights, a saved Keras model's path, or "bert-large" (BERT-large's 335M weights by
@@ -40,7 +41,7 @@ flags.DEFINE_float("compute_s", None, "Forward + backward seconds per step (or -
                    flag_values=FLAGS)
 flags.DEFINE_list("compressors", None, "Compressors (default: every registered one).",
                   flag_values=FLAGS)
-flags.DEFINE_bool("calibrate", False, "Measure compressor throughput (and compute) here.",
+flags.DEFINE_bool("calibrate", False, "Measure the compressors' data paths (and compute) here.",
                   flag_values=FLAGS)
 flags.DEFINE_integer("batch", 32, "Examples per worker and step, for --calibrate.",
                      flag_values=FLAGS)
