@@ -42,6 +42,23 @@ def test_rows_are_the_cost_models_predictions():
     assert topk["two_phase"]["bytes_per_worker"] < topk["gather"]["bytes_per_worker"]
 
 
+def test_calibration_measures_each_data_path_and_its_cost_per_call():
+    rates, calls = plan.calibrate_codecs(["none", "sign"], 1 << 16)
+    assert rates.keys() == calls.keys() == {"none", "sign"}
+    assert all(r > 0 for r in rates.values()) and all(c >= 0 for c in calls.values())
+    # Priced per bucket, and per chunk in two phases.
+    specs = plan.specs_of(None, 1_000_000)
+    base = plan.plan(specs, ["sign"], [4], ["1gbit"], 0.01, throughput=rates)
+    called = plan.plan(specs, ["sign"], [4], ["1gbit"], 0.01, throughput=rates,
+                       call_s={"sign": 1e-3})
+    payloads = costmodel.model_payloads(ops_from_spec("sign").compressor, specs, 32 << 20, 4)
+    per_exchange = {"gather": len(payloads),
+                    "two_phase": sum(4 if b.chunks else 1 for b in payloads)}
+    assert [r["exchange"] for r in called] == ["gather", "two_phase"]
+    for b, c in zip(base, called):
+        assert c["codec_s"] - b["codec_s"] == pytest.approx(per_exchange[c["exchange"]] * 1e-3)
+
+
 def test_bert_large_has_its_335_million_weights():
     n = sum(math.prod(s) for s, _ in plan.bert_large_specs())
     assert 330e6 < n < 340e6
