@@ -12,6 +12,7 @@ import tensorflow as tf
 from tf_gradsync import costmodel, plan
 from tf_gradsync.algorithms.cost import Link, parse_bandwidth
 from tf_gradsync.bench import ops_from_spec
+from tf_gradsync.config import DEFAULT_BUCKET_BYTES
 
 KEYS = {"compressor", "exchange", "bytes_per_worker", "predicted_step_s", "predicted_speedup"}
 
@@ -51,7 +52,8 @@ def test_calibration_measures_each_data_path_and_its_cost_per_call():
     base = plan.plan(specs, ["sign"], [4], ["1gbit"], 0.01, throughput=rates)
     called = plan.plan(specs, ["sign"], [4], ["1gbit"], 0.01, throughput=rates,
                        call_s={"sign": 1e-3})
-    payloads = costmodel.model_payloads(ops_from_spec("sign").compressor, specs, 32 << 20, 4)
+    payloads = costmodel.model_payloads(ops_from_spec("sign").compressor, specs,
+                                        DEFAULT_BUCKET_BYTES, 4)
     per_exchange = {"gather": len(payloads),
                     "two_phase": sum(4 if b.chunks else 1 for b in payloads)}
     assert [r["exchange"] for r in called] == ["gather", "two_phase"]
