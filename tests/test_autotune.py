@@ -1,6 +1,8 @@
 """Autotune: measurements in, the cost model's fastest choice out, installed and identical
 on every worker."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -155,6 +157,47 @@ def test_autotune_measures_installs_and_trains(devices):
     with strategy.scope():
         step()
     assert ops.stats()["steps"] >= 1
+
+
+def test_autotune_times_the_jobs_own_step(devices):
+    """With `make_step`, each trial builds the job's step under its own ops and times
+    it whole: forward, backward and the reduction, `compute` not added."""
+    strategy = _strategy(devices)
+    with strategy.scope():
+        model = tf.keras.Sequential([tf.keras.Input((32,)), tf.keras.layers.Dense(64),
+                                     tf.keras.layers.Dense(4)])
+    x = tf.random.stateless_normal([8, 32], (1, 2))
+    built = []
+
+    def make_step():
+        built.append(gs._tf_compat.cross_device_ops_of(strategy))
+
+        @tf.function
+        def step():
+            def fn():
+                with tf.GradientTape() as tape:
+                    loss = tf.reduce_mean(model(x) ** 2)
+                grads = tape.gradient(loss, model.trainable_variables)
+                out = tf.distribute.get_replica_context().all_reduce("SUM", grads)
+                return tf.add_n([tf.reshape(g, [-1])[0] for g in out])
+            return strategy.experimental_local_results(strategy.run(fn))
+        return step
+
+    ops = gs.autotune(strategy, model, compute=100.0, make_step=make_step, trial_steps=3,
+                      compressors=["none", "fp16", "topk"], probe_bytes=(4096, 1 << 16),
+                      calibrate_numel=20_000, bucket_sizes=(1 << 20, 4096))
+    d = ops.decision
+    assert len(built) == len(d.trials) == 5
+    for trial, used in zip(d.trials, built):
+        trial_ops = dataclasses.replace(d, compressor=trial[0], exchange=trial[1],
+                                        bucket_bytes=trial[2]).ops()
+        assert repr(used) == repr(trial_ops)
+        # The step went through the trial's ops: one tracing call, one untimed, three timed.
+        assert used.stats()["steps"] == costmodel.STEADY_STEP + 4
+        assert 0 < trial[4] < 100.0              # the step's own time, compute not added
+    assert d.measured_step_s == min(t[4] for t in d.trials)
+    with pytest.raises(ValueError, match="make_step must build a step function, got 3"):
+        gs.autotune(strategy, model, compute=0.1, make_step=3)
 
 
 def test_autotune_refuses_bad_input(devices):

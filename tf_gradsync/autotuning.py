@@ -7,10 +7,12 @@ parts (the fixed cost of two phases' rounds), times each candidate
 compressor's compress + decompress on this machine and the step's compute, averages
 every measurement over the workers (so each worker reaches the same decision), prices
 every candidate with `tf_gradsync.costmodel`, then times the few it predicts fastest on
-the real job (trials: the model's gradients reduced through each) and returns (and
-installs) the fastest measured `CompressedAllReduce` within the accuracy class asked for.
-The model narrows the field; the trials decide, because what the model leaves out
-(workers sharing cores, the runtime's cost per collective round) can change the order.
+the real job (trials: gradient-sized tensors reduced through each, or with
+`make_step` the job's own step) and returns (and installs) the fastest measured
+`CompressedAllReduce` within the accuracy class asked for. The model narrows the field;
+the trials decide, because what the model leaves out (workers sharing cores, the
+runtime's cost per collective round, how much of the exchange hides behind backprop)
+can change the order.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ class Decision:
         predicted step_s, measured step_s)`, in the order timed (empty when none were
         timed: one replica, or `trials=0`).
       measured_step_s: the chosen candidate's measured step (compute plus the timed
-        reduction), or None without trials.
+        reduction, or the timed step with `make_step`), or None without trials.
     """
 
     compressor: str
@@ -227,8 +229,8 @@ def autotune(strategy: tf.distribute.Strategy, weights, *, compute: float | Call
              accuracy: str = "balanced", compressors: Sequence[str] | None = None,
              bucket_sizes: Sequence[int] = BUCKET_SIZES, probe_bytes: Sequence[int] = PROBE_BYTES,
              calibrate_numel: int = 2**20, overlap: float = 0.0, trials: int = 4,
-             trial_steps: int = 5, install: bool = True,
-             **ops_kwargs) -> CompressedAllReduce:
+             trial_steps: int = 5, make_step: Callable[[], Callable[[], Any]] | None = None,
+             install: bool = True, **ops_kwargs) -> CompressedAllReduce:
     """Measures, decides (`decide`) and returns a ready `CompressedAllReduce`.
 
     Call it after creating the strategy and before building the model's training
@@ -260,6 +262,13 @@ def autotune(strategy: tf.distribute.Strategy, weights, *, compute: float | Call
         0 or 1 takes the prediction as it is.
       trial_steps: timed reductions per trial (after one that traces), in the
         compressor's steady state (past its warm-up).
+      make_step: builds a step function of the job: one that runs forward, backward
+        and the gradients' reduction through the strategy (an optimizer's update
+        may be part of it: the trials then train). It is called once per trial,
+        after the trial's ops are installed, so that what it traces uses them; the
+        trials then time that step instead of a reduction of gradient-sized
+        tensors added to `compute`. This is what the job will run: the exchanges
+        overlapping backprop, and the codecs sharing cores with it.
       install: make the strategy use the result.
       **ops_kwargs: further `CompressedAllReduce` arguments (e.g. `timeout_seconds`).
 
@@ -269,7 +278,7 @@ def autotune(strategy: tf.distribute.Strategy, weights, *, compute: float | Call
     Raises:
       ValueError: for an unknown accuracy class or compressor, a strategy whose ops
         already compress, a `compute` that is neither a number nor callable, or
-        `trials` or `trial_steps` out of range.
+        `trials` or `trial_steps` out of range, or a `make_step` that is not callable.
 
     Example:
       >>> strategy = tf_gradsync.MultiWorkerMirroredStrategy()
@@ -281,6 +290,8 @@ def autotune(strategy: tf.distribute.Strategy, weights, *, compute: float | Call
     for arg, value, low in (("trials", trials, 0), ("trial_steps", trial_steps, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"{arg} must be an integer >= {low}, got {value!r}")
+    if make_step is not None and not callable(make_step):
+        raise ValueError(f"make_step must build a step function, got {make_step!r}")
     names = list(compressors) if compressors is not None else candidates(accuracy)
     for n in names:
         compression.get(n)                     # a clear error for an unknown name
@@ -313,7 +324,8 @@ def autotune(strategy: tf.distribute.Strategy, weights, *, compute: float | Call
     decision = decide(specs, workers, link, compute_s, names, throughput, bucket_sizes, overlap,
                       call_s=calls)
     if trials > 1 and workers > 1:
-        decision = _try(strategy, specs, decision, trials, trial_steps, current, ops_kwargs)
+        decision = _try(strategy, specs, decision, trials, trial_steps, current, ops_kwargs,
+                        make_step)
     ops = decision.ops(**ops_kwargs)
     ops.decision = decision
     logging.info("tf_gradsync.autotune: %s, exchange %s, bucket_bytes %d: predicted %.4g s per "
@@ -332,7 +344,7 @@ def autotune(strategy: tf.distribute.Strategy, weights, *, compute: float | Call
 
 
 def _try(strategy: tf.distribute.Strategy, specs, decision: Decision, trials: int, steps: int,
-         exact, ops_kwargs: dict) -> Decision:
+         exact, ops_kwargs: dict, make_step=None) -> Decision:
     """Times candidates on the job and returns the decision for the fastest measured one
     (ties: the faster predicted).
 
@@ -342,12 +354,13 @@ def _try(strategy: tf.distribute.Strategy, specs, decision: Decision, trials: in
     the model differently: the model prices fewer, larger buckets as cheaper, but
     leaves out the copies that fuse several tensors into one.
 
-    Each candidate reduces the same gradient-sized tensors (normal noise, different on
-    every replica) through the strategy, as a training step's gradients are: the
-    buckets, codecs, collectives and the waiting for peers that the cost model can only
-    estimate. The reduction's median is added to the measured compute. Timings are
-    averaged over the workers through `exact` (the strategy's ops before autotune), so
-    every worker makes the same choices.
+    Each candidate runs the step `make_step` builds or, without it, reduces the same
+    gradient-sized tensors (normal noise, different on every replica) through the
+    strategy, as a training step's gradients are: the buckets, codecs, collectives and
+    the waiting for peers that the cost model can only estimate. A reduction's median
+    is added to the measured compute. Timings are averaged over the workers through
+    `exact` (the strategy's ops before autotune), so every worker makes the same
+    choices.
     """
     priced = sorted(decision.candidates, key=lambda r: r[3])
     best = {}
@@ -365,11 +378,10 @@ def _try(strategy: tf.distribute.Strategy, specs, decision: Decision, trials: in
     first = list(kinds.values())[:trials]
     tried = sorted(first + [r for r in ranked if r not in first][:trials - len(first)],
                    key=ranked.index)
-    values = strategy.experimental_distribute_values_from_function(
-        lambda ctx: [tf.random.stateless_normal(shape, (ctx.replica_id_in_sync_group, i),
-                                                dtype=dtype)
-                     if dtype.is_floating else tf.zeros(shape, dtype)
-                     for i, (shape, dtype) in enumerate(specs)])
+    if make_step is None:
+        offset, step = decision.compute_s, _reduction(strategy, specs)
+    else:
+        offset, step = 0.0, make_step
 
     def measure(rows):
         seconds = []
@@ -377,10 +389,10 @@ def _try(strategy: tf.distribute.Strategy, specs, decision: Decision, trials: in
             ops = dataclasses.replace(decision, compressor=name, exchange=exchange,
                                       bucket_bytes=bucket_bytes).ops(**ops_kwargs)
             _install(strategy, ops)
-            seconds.append(_time_reduction(strategy, ops, values, steps))
+            seconds.append(_time_step(ops, step(), steps))
         # The mean must be exact: back to the ops the link was probed with.
         _tf_compat.set_cross_device_ops(strategy, exact)
-        return tuple((*row, decision.compute_s + s)
+        return tuple((*row, offset + s)
                      for row, s in zip(rows, _mean_over_workers(strategy, seconds)))
 
     def fastest(rows):
@@ -414,25 +426,38 @@ def _kind(exchange: str) -> str:
     return "all-reduce" if exchange in ALL_REDUCES else exchange
 
 
-def _time_reduction(strategy: tf.distribute.Strategy, ops: CompressedAllReduce, values,
-                    steps: int) -> float:
-    """Median seconds of `steps` all-reduces of `values` through the strategy (after one
-    that traces), with `ops` past their compressor's warm-up."""
-    @tf.function
-    def reduce(vals):
-        def fn(v):
-            # Placed on the replica's device (an argument has none inside the function,
-            # and a reduction needs its destination); an identity copies nothing.
-            v = [tf.identity(t) for t in v]
-            out = tf.distribute.get_replica_context().all_reduce("SUM", v)
-            # One entry of each result: waiting for it waits for the whole reduction,
-            # without copying the gradients out.
-            return tf.add_n([tf.cast(tf.reshape(t, [-1])[0], tf.float32) for t in out])
-        return strategy.experimental_local_results(strategy.run(fn, args=(vals,)))
+def _reduction(strategy: tf.distribute.Strategy, specs) -> Callable[[], Callable[[], Any]]:
+    """Builds steps that all-reduce gradient-sized tensors through the strategy (each
+    built step traces anew, under the ops installed then)."""
+    values = strategy.experimental_distribute_values_from_function(
+        lambda ctx: [tf.random.stateless_normal(shape, (ctx.replica_id_in_sync_group, i),
+                                                dtype=dtype)
+                     if dtype.is_floating else tf.zeros(shape, dtype)
+                     for i, (shape, dtype) in enumerate(specs)])
 
-    reduce(values)
+    def build():
+        @tf.function
+        def reduce():
+            def fn(v):
+                # Placed on the replica's device (an argument has none inside the
+                # function, and a reduction needs its destination); an identity copies
+                # nothing.
+                v = [tf.identity(t) for t in v]
+                out = tf.distribute.get_replica_context().all_reduce("SUM", v)
+                # One entry of each result: waiting for it waits for the whole
+                # reduction, without copying the gradients out.
+                return tf.add_n([tf.cast(tf.reshape(t, [-1])[0], tf.float32) for t in out])
+            return strategy.experimental_local_results(strategy.run(fn, args=(values,)))
+        return reduce
+    return build
+
+
+def _time_step(ops: CompressedAllReduce, step: Callable[[], Any], steps: int) -> float:
+    """Median seconds of `steps` calls of `step` (after one that traces), with `ops` past
+    their compressor's warm-up."""
+    step()
     ops.start_at_step(costmodel.STEADY_STEP)
-    return costmodel.median_seconds(lambda: reduce(values), steps)[0]
+    return costmodel.median_seconds(step, steps)[0]
 
 
 def _install(strategy: tf.distribute.Strategy, ops: CompressedAllReduce) -> None:

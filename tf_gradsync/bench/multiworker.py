@@ -144,7 +144,9 @@ def worker(mode: str, params: int, steps: int, batch: int, ifname: str | None = 
         work = models.build(model, batch, params, image_size)
     decision = None
     if mode == AUTOTUNE:
+        # The trials time the job's own forward, backward and reduction.
         ops = gs.autotune(strategy, work.model, compute=work.compute_step(strategy),
+                          make_step=lambda: work.compute_step(strategy, sync=True),
                           accuracy="aggressive", compressors=candidates, timeout_seconds=300)
         # The timed steps measure the chosen compressor's steady state, as the other
         # rows do (PowerSGD's is run with start_iter=0 there).
