@@ -107,11 +107,21 @@ def _strategy(devices):
                                           cross_device_ops=tf.distribute.ReductionToOneDevice())
 
 
+def _model(strategy):
+    with strategy.scope():
+        return tf.keras.Sequential([tf.keras.Input((32,)), tf.keras.layers.Dense(64),
+                                    tf.keras.layers.Dense(4)])
+
+
+def _gradients(model, x):
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(model(x) ** 2)
+    return tape.gradient(loss, model.trainable_variables)
+
+
 def test_autotune_measures_installs_and_trains(devices):
     strategy = _strategy(devices)
-    with strategy.scope():
-        model = tf.keras.Sequential([tf.keras.Input((32,)), tf.keras.layers.Dense(64),
-                                     tf.keras.layers.Dense(4)])
+    model = _model(strategy)
     calls = []
     ops = gs.autotune(strategy, model, compute=lambda: calls.append(1),
                       compressors=["none", "fp16", "topk"], probe_bytes=(4096, 1 << 16),
@@ -149,9 +159,7 @@ def test_autotune_measures_installs_and_trains(devices):
     @tf.function
     def step():
         def fn():
-            with tf.GradientTape() as tape:
-                loss = tf.reduce_mean(model(x) ** 2)
-            grads = tape.gradient(loss, model.trainable_variables)
+            grads = _gradients(model, x)
             opt.apply_gradients(zip(grads, model.trainable_variables))
         strategy.run(fn)
     with strategy.scope():
@@ -163,9 +171,7 @@ def test_autotune_times_the_jobs_own_step(devices):
     """With `make_step`, each trial builds the job's step under its own ops and times
     it whole: forward, backward and the reduction, `compute` not added."""
     strategy = _strategy(devices)
-    with strategy.scope():
-        model = tf.keras.Sequential([tf.keras.Input((32,)), tf.keras.layers.Dense(64),
-                                     tf.keras.layers.Dense(4)])
+    model = _model(strategy)
     x = tf.random.stateless_normal([8, 32], (1, 2))
     built = []
 
@@ -175,11 +181,9 @@ def test_autotune_times_the_jobs_own_step(devices):
         @tf.function
         def step():
             def fn():
-                with tf.GradientTape() as tape:
-                    loss = tf.reduce_mean(model(x) ** 2)
-                grads = tape.gradient(loss, model.trainable_variables)
-                out = tf.distribute.get_replica_context().all_reduce("SUM", grads)
-                return tf.add_n([tf.reshape(g, [-1])[0] for g in out])
+                grads = tf.distribute.get_replica_context().all_reduce(
+                    "SUM", _gradients(model, x))
+                return tf.add_n([tf.reshape(g, [-1])[0] for g in grads])
             return strategy.experimental_local_results(strategy.run(fn))
         return step
 
