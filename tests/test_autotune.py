@@ -202,6 +202,16 @@ def test_autotune_times_the_jobs_own_step(devices):
     assert d.measured_step_s == min(t[4] for t in d.trials)
     with pytest.raises(ValueError, match="make_step must build a step function, got 3"):
         gs.autotune(strategy, model, compute=0.1, make_step=3)
+    # One function built once and handed out again would time the first trial's ops
+    # in every trial.
+    fresh = _strategy(devices)
+    exact = gs._tf_compat.cross_device_ops_of(fresh)
+    once = tf.function(lambda: tf.constant(0.0))
+    with pytest.raises(ValueError, match="make_step returned the same step function twice"):
+        gs.autotune(fresh, [((32, 64), tf.float32)], compute=0.1, make_step=lambda: once,
+                    compressors=["none", "fp16", "topk"], probe_bytes=(4096, 1 << 16),
+                    calibrate_numel=20_000, bucket_sizes=(1 << 20,))
+    assert gs._tf_compat.cross_device_ops_of(fresh) is exact   # the ops it had
 
 
 def test_autotune_refuses_bad_input(devices):

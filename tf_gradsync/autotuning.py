@@ -265,7 +265,8 @@ def autotune(strategy: tf.distribute.Strategy, weights, *, compute: float | Call
       make_step: builds a step function of the job: one that runs forward, backward
         and the gradients' reduction through the strategy (an optimizer's update
         may be part of it: the trials then train). It is called once per trial,
-        after the trial's ops are installed, so that what it traces uses them; the
+        after the trial's ops are installed, and must build a new function each
+        time (e.g. a new `tf.function`), so that what it traces uses them; the
         trials then time that step instead of a reduction of gradient-sized
         tensors added to `compute`. This is what the job will run: the exchanges
         overlapping backprop, and the codecs sharing cores with it.
@@ -278,7 +279,8 @@ def autotune(strategy: tf.distribute.Strategy, weights, *, compute: float | Call
     Raises:
       ValueError: for an unknown accuracy class or compressor, a strategy whose ops
         already compress, a `compute` that is neither a number nor callable, or
-        `trials` or `trial_steps` out of range, or a `make_step` that is not callable.
+        `trials` or `trial_steps` out of range, or a `make_step` that is not callable
+        or that returns the same function twice.
 
     Example:
       >>> strategy = tf_gradsync.MultiWorkerMirroredStrategy()
@@ -383,13 +385,23 @@ def _try(strategy: tf.distribute.Strategy, specs, decision: Decision, trials: in
     else:
         offset, step = 0.0, make_step
 
+    previous = []
+
     def measure(rows):
         seconds = []
         for name, exchange, bucket_bytes, _ in rows:
             ops = dataclasses.replace(decision, compressor=name, exchange=exchange,
                                       bucket_bytes=bucket_bytes).ops(**ops_kwargs)
             _install(strategy, ops)
-            seconds.append(_time_step(ops, step(), steps))
+            built = step()
+            # A function traced before would go on using the ops it was traced with,
+            # and every trial would time the same candidate.
+            if previous and built is previous[0]:
+                _tf_compat.set_cross_device_ops(strategy, exact)
+                raise ValueError(f"make_step returned the same step function twice "
+                                 f"({built!r}); it must build a new one on each call")
+            previous[:] = [built]
+            seconds.append(_time_step(ops, built, steps))
         # The mean must be exact: back to the ops the link was probed with.
         _tf_compat.set_cross_device_ops(strategy, exact)
         return tuple((*row, offset + s)
