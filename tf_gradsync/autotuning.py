@@ -389,21 +389,23 @@ def _try(strategy: tf.distribute.Strategy, specs, decision: Decision, trials: in
 
     def measure(rows):
         seconds = []
-        for name, exchange, bucket_bytes, _ in rows:
-            ops = dataclasses.replace(decision, compressor=name, exchange=exchange,
-                                      bucket_bytes=bucket_bytes).ops(**ops_kwargs)
-            _install(strategy, ops)
-            built = step()
-            # A function traced before would go on using the ops it was traced with,
-            # and every trial would time the same candidate.
-            if previous and built is previous[0]:
-                _tf_compat.set_cross_device_ops(strategy, exact)
-                raise ValueError(f"make_step returned the same step function twice "
-                                 f"({built!r}); it must build a new one on each call")
-            previous[:] = [built]
-            seconds.append(_time_step(ops, built, steps))
-        # The mean must be exact: back to the ops the link was probed with.
-        _tf_compat.set_cross_device_ops(strategy, exact)
+        try:
+            for name, exchange, bucket_bytes, _ in rows:
+                ops = dataclasses.replace(decision, compressor=name, exchange=exchange,
+                                          bucket_bytes=bucket_bytes).ops(**ops_kwargs)
+                _install(strategy, ops)
+                built = step()
+                # A function traced before would go on using the ops it was traced
+                # with, and every trial would time the same candidate.
+                if previous and built is previous[0]:
+                    raise ValueError(f"make_step returned the same step function twice "
+                                     f"({built!r}); it must build a new one on each call")
+                previous[:] = [built]
+                seconds.append(_time_step(ops, built, steps))
+        finally:
+            # The mean must be exact: back to the ops the link was probed with (also
+            # when a trial fails, leaving the strategy as it was found).
+            _tf_compat.set_cross_device_ops(strategy, exact)
         return tuple((*row, offset + s)
                      for row, s in zip(rows, _mean_over_workers(strategy, seconds)))
 
