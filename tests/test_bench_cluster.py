@@ -116,7 +116,16 @@ def test_both_ends_of_every_link_are_shaped_to_the_rate(rate):
         for i in range(2):
             for ns, dev in ((net.namespaces[i], net.interface), (None, net.bridge_ports[i])):
                 (q,) = netns.qdiscs(ns, dev)
-                assert q == {"kind": "tbf", "rate_bps": netns.parse_rate(rate)}
+                assert (q["kind"], q["rate_bps"]) == ("tbf", netns.parse_rate(rate))
+                # tc keeps the bucket to its clock's resolution.
+                assert q["burst"] == pytest.approx(netns.tbf_burst(q["rate_bps"]), rel=1e-3)
+
+
+def test_the_token_bucket_holds_4_ms_at_the_rate_and_at_least_16_kib():
+    assert netns.tbf_burst(10 * 10**9) == 5_000_000
+    assert netns.tbf_burst(10**9) == 500_000
+    assert netns.tbf_burst(100 * 10**6) == 50_000
+    assert netns.tbf_burst(10**6) == 16 * 1024
 
 
 _TCP = """

@@ -19,6 +19,7 @@ Example:
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import re
 import shutil
@@ -207,10 +208,8 @@ class Network:
 
     def _shape(self, ns: str | None, dev: str, delay: str | None) -> None:
         byte_rate = self.rate_bps / 8
-        # The bucket holds a full 64 KiB GSO packet and 4 ms at the rate: with less, the
-        # qdisc's timer granularity keeps 10gbit links well below their rate (measured),
-        # and 4 ms is still small against a step's transfer. The queue holds 20 ms more.
-        burst = max(128 * 1024, int(byte_rate / 250))
+        burst = tbf_burst(self.rate_bps)
+        # The queue holds 20 ms at the rate beyond the bucket.
         _tc(ns, "qdisc", "replace", "dev", dev, "root", "handle", "1:", "tbf",
             "rate", f"{self.rate_bps}bit", "burst", str(burst),
             "limit", str(burst + int(byte_rate * 0.02)))
@@ -231,19 +230,27 @@ class Network:
         self._up = False   # only now: a teardown cut short is redone by the next call
 
 
+def tbf_burst(rate_bps: int) -> int:
+    """Bytes of the token bucket shaping a link of `rate_bps`: 4 ms at the rate, at
+    least 16 KiB.
+
+    The bucket refills while the workers compute, and a transfer of up to a bucket then
+    crosses at the veth's speed, which no NIC's line rate allows; so it is kept small.
+    With less than 4 ms, the qdisc's timer granularity keeps 1gbit and 10gbit links
+    well below their rate (measured). tbf cuts a GSO packet larger than the bucket
+    into segments, so the bucket need not hold a 64 KiB one.
+    """
+    return max(16 * 1024, int(rate_bps / 8 / 250))
+
+
 def qdiscs(ns: str | None, dev: str) -> list[dict]:
-    """The qdiscs on `dev` as dicts with `kind` and, for tbf, `rate_bps`."""
+    """The qdiscs on `dev` as dicts with `kind` and, for tbf, `rate_bps` and `burst`
+    (bytes)."""
     out = []
-    for line in _tc(ns, "qdisc", "show", "dev", dev).splitlines():
-        m = re.match(r"qdisc (\S+) ", line)
-        if not m:
-            continue
-        q = {"kind": m.group(1)}
-        r = re.search(r" rate (\d+(?:\.\d+)?)([KMGT]?)bit", line)
-        if r:
-            q["rate_bps"] = int(float(r.group(1)) * {"": 1, "K": 1e3, "M": 1e6, "G": 1e9,
-                                                      "T": 1e12}[r.group(2)])
-        out.append(q)
+    for q in json.loads(_tc(ns, "-j", "qdisc", "show", "dev", dev) or "[]"):
+        opts = q.get("options", {})
+        out.append({"kind": q["kind"], **({"rate_bps": 8 * opts["rate"], "burst": opts["burst"]}
+                                          if q["kind"] == "tbf" else {})})
     return out
 
 
