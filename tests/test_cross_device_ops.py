@@ -302,7 +302,7 @@ def test_non_floating_compressor_input():
 
 @pytest.mark.parametrize("name", ["int8", "sign", "topk"])
 def test_collective_gathers_narrow_payloads_bit_for_bit(devices, name):
-    # CollectiveGatherV2 has no 8-bit kernels: packed bytes travel as int32 words.
+    # CollectiveGatherV2 has no 8-bit kernels: payloads travel packed into int32 words.
     got = []
     for algorithm in ("collective", "ring"):
         ops = gs.CompressedAllReduce(name, algorithm=algorithm, timeout_seconds=60)
@@ -316,7 +316,10 @@ def test_collective_gathers_narrow_payloads_bit_for_bit(devices, name):
         got.append((strategy.experimental_local_results(out)[0].numpy(),
                     ops.stats()["last_bytes_sent"]))
     np.testing.assert_array_equal(got[0][0], got[1][0])
-    assert got[0][1] == got[1][1]
+    # The same bytes, but for the padding of each payload tensor to whole words (under
+    # 4 bytes per tensor, at most three, per copy sent).
+    n = len(devices)
+    assert got[1][1] <= got[0][1] < got[1][1] + 4 * 3 * n * (n - 1)
 
 
 @pytest.mark.parametrize("name", ["topk", "randomk", "adaptive", "fp16"])

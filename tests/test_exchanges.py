@@ -8,11 +8,12 @@ import tensorflow as tf
 
 from tf_gradsync import algorithms
 from tf_gradsync.algorithms import Group, Wire
+from tf_gradsync.algorithms._common import words_of
 from tf_gradsync.compression import GATHER, SCATTER, SUM
 
 EXCHANGES = {**algorithms.ALGORITHMS, "hierarchical": algorithms.HIERARCHICAL,
              "two_phase": algorithms.TWO_PHASE}
-SPECS = (((5, 3), np.float32), ((7,), np.float16), ((2,), np.int32))
+SPECS = (((5, 3), np.float32), ((7,), np.float16), ((2,), np.int32), ((4,), np.float32))
 
 
 def _payloads(members, devices, seed=0):
@@ -88,8 +89,29 @@ def test_every_exchange_sums_and_gathers_like_numpy(devices, name, n):
         # when chunks divide evenly), a gather N-1 payloads, a scatter N-1 parts.
         if transport == SUM:
             assert sent == pytest.approx(2 * (n - 1) * per_member, rel=0.25), name
+        elif name in ("collective", "hierarchical") and transport == GATHER:
+            # One collective of the payload packed into words; the padding is sent too.
+            assert sent == (n - 1) * n * 4 * words_of([tf.TensorSpec(s, d) for s, d in SPECS])
         else:
             assert sent == (n - 1) * n * per_member
+
+
+def test_a_round_is_one_collective_per_dtype_summed_and_one_gathered(devices):
+    """Each collective costs a launch and a rendezvous of every member, so a round's
+    tensors travel together: summed by dtype (SPECS has three), gathered packed."""
+    group = Group(tuple(devices[:2]))
+    arrays = [[np.ones(s, d) for s, d in SPECS] for _ in range(2)]
+    for transport, op, per_device in ((SUM, "CollectiveReduceV2", 3),
+                                      (GATHER, "CollectiveGatherV2", 1)):
+        @tf.function
+        def fn():
+            sent = []
+            for d, a in zip(group.devices, arrays):
+                with tf.device(d):
+                    sent.append(tuple(tf.constant(x) for x in a))
+            return EXCHANGES["collective"](sent, transport, group, Wire())
+        ops = fn.get_concrete_function().graph.get_operations()
+        assert sum(o.type == op for o in ops) == per_device * len(group.devices), transport
 
 
 @pytest.mark.parametrize("name", sorted(EXCHANGES))

@@ -115,48 +115,42 @@ def all_reduce(payloads: DevicePayloads, devices: Sequence[str], wire: Wire,
     return in_graph(launch, payloads, devices)
 
 
-def all_gather(payloads: DevicePayloads, devices: Sequence[str], wire: Wire,
-               group_size: int | None = None, timeout: float = 0,
-               role: Hashable = None) -> list[list[list[tf.Tensor]]]:
-    """Gathers every member's payload with CollectiveGatherV2.
-
-    Returns:
-      Per local device, the list of all members' payloads in rank order.
-    """
-    n = group_size or len(devices)
-    gkey = group_key(role or ("local", tuple(devices)))
-    keys = [next_instance_key() for _ in payloads[0]]
-
-    def launch(payloads):
-        out = [[[] for _ in range(n)] for _ in devices]
-        for k, ikey in enumerate(keys):
-            for i, d in enumerate(devices):
-                with tf.device(d):
-                    t = payloads[i][k]
-                    gathered = _tf_compat.collective_all_gather(
-                        tf.expand_dims(_to_words(t), 0), n, gkey, ikey, ordering_token(d),
-                        timeout)
-                    for j, part in enumerate(tf.unstack(gathered, num=n)):
-                        out[i][j].append(_from_words(part, t))
-        return out
-
-    for k in range(len(keys)):
-        wire.fed([p[k] for p in payloads], n - 1)
-    return in_graph(launch, payloads, devices)
-
-
 # CollectiveGatherV2 carries float16/32/64 and int32/64 only; other payloads (packed
 # bits, int8, bfloat16 scales) travel bit-for-bit as int32 words, so the bytes on the
 # wire stay the same.
 _NATIVE = (tf.float16, tf.float32, tf.float64, tf.int32, tf.int64)
 
 
-def _to_words(t: tf.Tensor) -> tf.Tensor:
-    return t if t.dtype in _NATIVE else pack_words([t])
+def all_gather(payloads: DevicePayloads, devices: Sequence[str], wire: Wire,
+               group_size: int | None = None, timeout: float = 0,
+               role: Hashable = None) -> list[list[list[tf.Tensor]]]:
+    """Gathers every member's payload with one CollectiveGatherV2.
 
+    A payload of several tensors, or of one that the collective does not carry, travels
+    packed into int32 words (`pack_words`): one collective per round, not per tensor
+    (each costs a launch and a rendezvous of every member).
 
-def _from_words(words: tf.Tensor, like: tf.Tensor) -> tf.Tensor:
-    if like.dtype in _NATIVE:
-        return words
-    (t,) = unpack_words(words, [tf.TensorSpec(like.shape, like.dtype)])
-    return t
+    Returns:
+      Per local device, the list of all members' payloads in rank order.
+    """
+    n = group_size or len(devices)
+    gkey = group_key(role or ("local", tuple(devices)))
+    specs = [tf.TensorSpec(t.shape, t.dtype) for t in payloads[0]]
+    if not specs:
+        return [[[] for _ in range(n)] for _ in devices]
+    packed = len(specs) > 1 or specs[0].dtype not in _NATIVE
+    ikey = next_instance_key()
+
+    def launch(payloads):
+        out = []
+        for i, d in enumerate(devices):
+            with tf.device(d):
+                sent = pack_words(payloads[i]) if packed else payloads[i][0]
+                wire.fed([sent], n - 1)
+                gathered = _tf_compat.collective_all_gather(
+                    tf.expand_dims(sent, 0), n, gkey, ikey, ordering_token(d), timeout)
+                out.append([list(unpack_words(part, specs)) if packed else [part]
+                            for part in tf.unstack(gathered, num=n)])
+        return out
+
+    return in_graph(launch, payloads, devices)
