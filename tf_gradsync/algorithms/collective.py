@@ -116,8 +116,8 @@ def all_reduce(payloads: DevicePayloads, devices: Sequence[str], wire: Wire,
 
 
 # CollectiveGatherV2 carries float16/32/64 and int32/64 only; other payloads (packed
-# bits, int8, bfloat16 scales) travel bit-for-bit as int32 words, so the bytes on the
-# wire stay the same.
+# bits, int8, bfloat16 scales) travel bit for bit as int32 words, each tensor padded to
+# whole words (the padding counted as sent).
 _NATIVE = (tf.float16, tf.float32, tf.float64, tf.int32, tf.int64)
 
 
