@@ -161,7 +161,7 @@ def fused_by_dtype(payloads: DevicePayloads, devices: Sequence[str], sum_fn) -> 
     one flat tensor, split back to their shapes: a round is then one reduction per dtype.
 
     Across workers each reduction is a collective, whose launch and rendezvous cost
-    more than the copy of a compressed payload (8 workers on 2 cores: about 25 ms each;
+    more than the copy of a compressed payload (8 workers on 2 cores: 25-35 ms each;
     PowerSGD's first round, its factors and the tensors sent as they are, took two).
 
     Returns:
