@@ -385,9 +385,10 @@ def _try(strategy: tf.distribute.Strategy, specs, decision: Decision, trials: in
     else:
         offset, step = 0.0, make_step
 
-    previous = []
+    last_built = None
 
     def measure(rows):
+        nonlocal last_built
         seconds = []
         try:
             for name, exchange, bucket_bytes, _ in rows:
@@ -397,10 +398,10 @@ def _try(strategy: tf.distribute.Strategy, specs, decision: Decision, trials: in
                 built = step()
                 # A function traced before would go on using the ops it was traced
                 # with, and every trial would time the same candidate.
-                if previous and built is previous[0]:
+                if last_built is not None and built is last_built:
                     raise ValueError(f"make_step returned the same step function twice "
                                      f"({built!r}); it must build a new one on each call")
-                previous[:] = [built]
+                last_built = built
                 seconds.append(_time_step(ops, built, steps))
         finally:
             # The mean must be exact: back to the ops the link was probed with (also
