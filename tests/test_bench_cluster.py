@@ -291,20 +291,30 @@ def test_tiny_end_to_end_run(tmp_path):
         assert row["predicted_s"] > compute["step_s"]
         assert row["prediction_error"] == pytest.approx(row["predicted_s"] / row["step_s"] - 1)
     assert fp16["pick"] == "*" and stock["pick"] == ""
-    # The all-to-all two phases would run, timed by the probe: 2 workers, one round.
-    all_to_all = [p["all_to_all_s"] for p in compute["probes"]]
+    # The all-to-all two phases would run, timed by the probes before the rows and by
+    # the link's probes after them: 2 workers, one round.
+    links = compute["link_probes"]
+    assert len(links) == 2 and not any(p["throughput_one_core"] for p in links)
+    all_to_all = [p["all_to_all_s"] for p in compute["probes"] + links]
     assert all(s > 0 for s in all_to_all)
-    assert stock["link"][2] == pytest.approx(sum(all_to_all) / 2)
+    assert stock["link"][2] == pytest.approx(sum(all_to_all) / 4)
     # The JSON keeps what the prediction was made from: predicting again gives it back.
     again = json.loads(out.read_text())
-    cluster.predict(again, compute["probes"], compute["specs"], 2)
+    cluster.predict(again, compute["probes"], compute["specs"], 2, links)
     for row, redone in zip(rows[1:], again[1:]):
         assert redone["predicted_s"] == pytest.approx(row["predicted_s"])
+    # Both probing jobs count: a link twice as slow after the rows prices the ring's
+    # bytes slower.
+    for p in links:
+        p["probe_s"] = [2 * s for s in p["probe_s"]]
+    cluster.predict(again, compute["probes"], compute["specs"], 2, links)
+    assert again[1]["predicted_s"] > stock["predicted_s"]
+    assert again[1]["link"][1] < stock["link"][1]
     # Each worker timed the codecs alone, and the runs share the cores: were there one
     # core for the two workers, each worker's codec would take twice as long.
     assert all(p["alone"] for p in compute["probes"])
     again[0]["cores"] = "1/2"
-    cluster.predict(again, compute["probes"], compute["specs"], 2)
+    cluster.predict(again, compute["probes"], compute["specs"], 2, links)
     assert again[2]["codec_s"] == pytest.approx(2 * fp16["codec_s"])
     # The codecs priced are those each worker timed on one core: a rate and a cost per
     # call, both measured.
@@ -315,7 +325,7 @@ def test_tiny_end_to_end_run(tmp_path):
         p["throughput_one_core"] = {m: 2 * v for m, v in p["throughput_one_core"].items()}
         p["call_s_one_core"] = {m: v / 2 for m, v in p["call_s_one_core"].items()}
     again[0]["cores"] = "2/2"
-    cluster.predict(again, compute["probes"], compute["specs"], 2)
+    cluster.predict(again, compute["probes"], compute["specs"], 2, links)
     assert again[2]["codec_s"] == pytest.approx(fp16["codec_s"] / 2)
     # Where each step goes: the parts add up to the step; the wire at the link's rate.
     for row in rows:

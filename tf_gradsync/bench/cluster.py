@@ -4,7 +4,7 @@ rate-limited link (see `netns`), stock MultiWorkerMirroredStrategy against ours.
 Per (workers, rate): a probing job (the cost model's measurements of the link and of
 each compressor's throughput), the compute-only floor (the same step with no
 communication, on N concurrent processes, since they share the cores and memory
-bandwidth), stock, then each compressor; each row carries the cost model's prediction
+bandwidth), stock, then each compressor, then the link probed again; each row carries the cost model's prediction
 of its step (`predicted_s`) next to the measured one, and a breakdown of the measured
 step (`breakdown`: compute, codec, wire, waiting). Workers run
 `tf_gradsync.bench.multiworker`'s worker with a TF_CONFIG of namespace addresses and
@@ -32,6 +32,7 @@ import statistics
 import sys
 from typing import Sequence
 
+import numpy as np
 from absl import flags
 
 from tf_gradsync import launch
@@ -175,6 +176,9 @@ def measure(n: int, rate: str, modes: Sequence[str], params: int, steps: int,
             rows.append(row)
             _log(f"{n} workers at {rate}, {row['mode']}: {row['step_s']:.3f} s/step, "
                  f"{row['wire_bytes']:,.0f} B/step on the wire")
+        # The link probed again after the rows: a job's conditions on shared cores move
+        # the probe by up to a quarter, so the link is priced as the rows' span saw it.
+        link_probes = _job(net, "probe", params, steps, timeout, model, image_size)
         if tune and order and rematch > 0:
             def job(mode, extra):
                 return _job(net, mode, params, steps, timeout, model, image_size, extra)
@@ -184,10 +188,11 @@ def measure(n: int, rate: str, modes: Sequence[str], params: int, steps: int,
     for row in rows:
         row["speedup"] = stock / row["step_s"]
         row["vs_compute"] = row["step_s"] / compute
-    predict(rows, probes, specs, n)
+    predict(rows, probes, specs, n, link_probes)
     # What the prediction was made from, so that a JSON can be predicted again
-    # (`predict(rows, rows[0]["probes"], rows[0]["specs"], n)`) under another model.
-    rows[0].update(probes=probes, specs=specs)
+    # (`predict(rows, rows[0]["probes"], rows[0]["specs"], n, rows[0]["link_probes"])`)
+    # under another model.
+    rows[0].update(probes=probes, specs=specs, link_probes=link_probes)
     breakdown(rows, cost.parse_bandwidth(rate))
     return rows
 
@@ -247,13 +252,15 @@ def breakdown(rows: list[dict], bytes_per_s: float) -> None:
         row["waiting_s"] = row["step_s"] - row["compute_s"] - row["codec_s"] - row["wire_s"]
 
 
-def predict(rows: list[dict], probes: list[dict], specs: list, n: int) -> None:
+def predict(rows: list[dict], probes: list[dict], specs: list, n: int,
+            link_probes: Sequence[dict] = ()) -> None:
     """Adds the cost model's `predicted_s` (and `prediction_error`, predicted over
     measured minus one) to the stock and compressor rows, and marks with `pick` the
     compressor row it predicts fastest (what `autotune` would choose among them).
 
     Its inputs are measured in the same sitting: the link fitted to the probing
-    all-reduces and all-to-all (`autotuning.fit_link`), each compressor's data path
+    all-reduces and all-to-all (`autotuning.fit_link`), averaged over `probes` (before
+    the rows) and `link_probes` (each rank's link-only probe after them), each compressor's data path
     timed by each worker alone on one core, as a rate and seconds per call (the cores'
     sharing among the N workers charged as the model's `cpu_share`, cores / N; older
     probes timed a rate alone, on all of a worker's threads, or by all workers at once,
@@ -261,11 +268,12 @@ def predict(rows: list[dict], probes: list[dict], specs: list, n: int) -> None:
     """
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
     from tf_gradsync import autotuning, costmodel  # pylint: disable=import-outside-toplevel
-    seconds = [sum(p["probe_s"][i] for p in probes) / n for i in range(len(probes[0]["probe_s"]))]
+    linked = [*probes, *link_probes]
+    seconds = np.mean([p["probe_s"] for p in linked], axis=0)
     # Probes from before the all-to-all was timed price its rounds at one latency.
-    all_to_all = ([p["all_to_all_s"] for p in probes] if "all_to_all_s" in probes[0] else None)
-    link = autotuning.fit_link(probes[0]["probe_bytes"], seconds, n,
-                               all_to_all and sum(all_to_all) / n)
+    all_to_all = (float(np.mean([p["all_to_all_s"] for p in linked]))
+                  if "all_to_all_s" in probes[0] else None)
+    link = autotuning.fit_link(probes[0]["probe_bytes"], seconds, n, all_to_all)
     # One core's rates, where the probe timed them (the workers of the runs share the
     # cores, so none has TensorFlow's threads spread over several).
     key = "throughput_one_core" if probes[0].get("throughput_one_core") else "throughput"

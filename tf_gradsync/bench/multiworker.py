@@ -48,7 +48,8 @@ def probe(modes: list[str], numel: int) -> dict:
     its seconds per call (`call_s_one_core`), which the cost model scales by the cores
     each worker gets in the runs (`costmodel.predict`'s `cpu_share`). Timed all at
     once, unsynchronised, a worker's calls met the others' tracing or timing by chance:
-    the same compressor's rate moved 2-3x between sittings."""
+    the same compressor's rate moved 2-3x between sittings. With no `modes`, the link
+    alone."""
     import tensorflow as tf
     import tf_gradsync as gs
     from tf_gradsync import autotuning, plan
@@ -57,7 +58,7 @@ def probe(modes: list[str], numel: int) -> dict:
     seconds = autotuning.probe_link(strategy)
     all_to_all = autotuning.probe_all_to_all(strategy, timeout=60)
     rates = calls = None
-    for turn in range(strategy.num_workers):
+    for turn in range(strategy.num_workers if modes else 0):
         _barrier(strategy)
         if turn == strategy.worker_index:
             with _one_core():
