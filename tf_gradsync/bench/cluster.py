@@ -4,9 +4,9 @@ rate-limited link (see `netns`), stock MultiWorkerMirroredStrategy against ours.
 Per (workers, rate): a probing job (the cost model's measurements of the link and of
 each compressor's throughput), the compute-only floor (the same step with no
 communication, on N concurrent processes, since they share the cores and memory
-bandwidth), stock, then each compressor, then the link probed again; each row carries the cost model's prediction
-of its step (`predicted_s`) next to the measured one, and a breakdown of the measured
-step (`breakdown`: compute, codec, wire, waiting). Workers run
+bandwidth), stock, then each compressor, then the link probed again; each row carries
+the cost model's prediction of its step (`predicted_s`) next to the measured one, and
+a breakdown of the measured step (`breakdown`: compute, codec, wire, waiting). Workers run
 `tf_gradsync.bench.multiworker`'s worker with a TF_CONFIG of namespace addresses and
 read their link's kernel tx counter around the timed steps. `autotune` among the
 compressors adds a last row whose ops `tf_gradsync.autotune` chooses among the others;
@@ -260,11 +260,12 @@ def predict(rows: list[dict], probes: list[dict], specs: list, n: int,
 
     Its inputs are measured in the same sitting: the link fitted to the probing
     all-reduces and all-to-all (`autotuning.fit_link`), averaged over `probes` (before
-    the rows) and `link_probes` (each rank's link-only probe after them), each compressor's data path
-    timed by each worker alone on one core, as a rate and seconds per call (the cores'
-    sharing among the N workers charged as the model's `cpu_share`, cores / N; older
-    probes timed a rate alone, on all of a worker's threads, or by all workers at once,
-    and are taken as they are), and the compute-only row's step as compute.
+    the rows) and `link_probes` (each rank's link-only probe after them), each
+    compressor's data path timed by each worker alone on one core, as a rate and
+    seconds per call (the cores' sharing among the N workers charged as the model's
+    `cpu_share`, cores / N; older probes timed a rate alone, on all of a worker's
+    threads, or by all workers at once, and are taken as they are), and the
+    compute-only row's step as compute.
     """
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
     from tf_gradsync import autotuning, costmodel  # pylint: disable=import-outside-toplevel
