@@ -168,22 +168,35 @@ def test_autotune_measures_installs_and_trains(devices):
 
 
 def test_autotune_times_the_jobs_own_step(devices):
-    """With `make_step`, each trial builds the job's step under its own ops and times
-    it whole: forward, backward and the reduction, `compute` not added."""
+    """With `make_step`, each trial builds the job's training step under its own ops
+    (with the optimizer those ops adapt) and times it whole: forward, backward, the
+    reduction and the update, `compute` not added. The trials train; the model's
+    variables, trainable or not, are restored after them."""
     strategy = _strategy(devices)
-    model = _model(strategy)
+    with strategy.scope():
+        model = tf.keras.Sequential([tf.keras.Input((32,)), tf.keras.layers.Dense(64),
+                                     tf.keras.layers.BatchNormalization(),
+                                     tf.keras.layers.Dense(4)])
     x = tf.random.stateless_normal([8, 32], (1, 2))
-    built = []
+    before = [v.numpy() for v in model.variables]
+    built, moved = [], []
 
-    def make_step():
-        built.append(gs._tf_compat.cross_device_ops_of(strategy))
+    def make_step(ops):
+        assert gs._tf_compat.cross_device_ops_of(strategy) is ops   # installed first
+        built.append(ops)
+        moved.append(any(not np.array_equal(v.numpy(), b)
+                         for v, b in zip(model.variables, before)))
+        with strategy.scope():
+            opt = ops.adapt_optimizer(tf.keras.optimizers.SGD(0.1, momentum=0.9))
 
         @tf.function
         def step():
             def fn():
-                grads = tf.distribute.get_replica_context().all_reduce(
-                    "SUM", _gradients(model, x))
-                return tf.add_n([tf.reshape(g, [-1])[0] for g in grads])
+                with tf.GradientTape() as tape:
+                    loss = tf.reduce_mean(model(x, training=True) ** 2)
+                grads = tape.gradient(loss, model.trainable_variables)
+                opt.apply_gradients(zip(grads, model.trainable_variables))
+                return loss
             return strategy.experimental_local_results(strategy.run(fn))
         return step
 
@@ -200,6 +213,11 @@ def test_autotune_times_the_jobs_own_step(devices):
         assert used.stats()["steps"] == costmodel.STEADY_STEP + 4
         assert 0 < trial[4] < 100.0              # the step's own time, compute not added
     assert d.measured_step_s == min(t[4] for t in d.trials)
+    # The trials trained (a later trial starts from weights an earlier one moved; the
+    # first of the second batch of trials from restored ones), and left no trace.
+    assert moved[:2] == [False, True]
+    for v, b in zip(model.variables, before):
+        np.testing.assert_array_equal(v.numpy(), b)
     with pytest.raises(ValueError, match="make_step must build a step function, got 3"):
         gs.autotune(strategy, model, compute=0.1, make_step=3)
     # One function built once and handed out again would time the first trial's ops
@@ -208,7 +226,7 @@ def test_autotune_times_the_jobs_own_step(devices):
     exact = gs._tf_compat.cross_device_ops_of(fresh)
     once = tf.function(lambda: tf.constant(0.0))
     with pytest.raises(ValueError, match="make_step returned the same step function twice"):
-        gs.autotune(fresh, [((32, 64), tf.float32)], compute=0.1, make_step=lambda: once,
+        gs.autotune(fresh, [((32, 64), tf.float32)], compute=0.1, make_step=lambda ops: once,
                     compressors=["none", "fp16", "topk"], probe_bytes=(4096, 1 << 16),
                     calibrate_numel=20_000, bucket_sizes=(1 << 20,))
     assert gs._tf_compat.cross_device_ops_of(fresh) is exact   # the ops it had

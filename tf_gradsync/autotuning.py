@@ -229,7 +229,8 @@ def autotune(strategy: tf.distribute.Strategy, weights, *, compute: float | Call
              accuracy: str = "balanced", compressors: Sequence[str] | None = None,
              bucket_sizes: Sequence[int] = BUCKET_SIZES, probe_bytes: Sequence[int] = PROBE_BYTES,
              calibrate_numel: int = 2**20, overlap: float = 0.0, trials: int = 4,
-             trial_steps: int = 5, make_step: Callable[[], Callable[[], Any]] | None = None,
+             trial_steps: int = 5,
+             make_step: Callable[[CompressedAllReduce], Callable[[], Any]] | None = None,
              install: bool = True, **ops_kwargs) -> CompressedAllReduce:
     """Measures, decides (`decide`) and returns a ready `CompressedAllReduce`.
 
@@ -262,14 +263,19 @@ def autotune(strategy: tf.distribute.Strategy, weights, *, compute: float | Call
         0 or 1 takes the prediction as it is.
       trial_steps: timed reductions per trial (after one that traces), in the
         compressor's steady state (past its warm-up).
-      make_step: builds a step function of the job: one that runs forward, backward
-        and the gradients' reduction through the strategy (an optimizer's update
-        may be part of it: the trials then train). It is called once per trial,
-        after the trial's ops are installed, and must build a new function each
-        time (e.g. a new `tf.function`), so that what it traces uses them; the
-        trials then time that step instead of a reduction of gradient-sized
-        tensors added to `compute`. This is what the job will run: the exchanges
-        overlapping backprop, and the codecs sharing cores with it.
+      make_step: builds a step function of the job from the trial's
+        `CompressedAllReduce`: one that runs forward, backward, the gradients'
+        reduction through the strategy and, best, the optimizer's update with the
+        optimizer the job will use with those ops (`ops.adapt_optimizer(...)`: an
+        adapted optimizer may drop its momentum, and with it a pass over the model
+        each step). It is called once per trial, after the trial's ops are
+        installed, and must build a new function each time (e.g. a new
+        `tf.function`), so that what it traces uses them; the trials then time that
+        step instead of a reduction of gradient-sized tensors added to `compute`.
+        This is what the job will run: the exchanges overlapping backprop, the
+        codecs sharing cores with it, and the update. The trials train: the
+        variables of `weights` (a model's, trainable or not) are restored after
+        them; optimizers built by `make_step` are the caller's to discard.
       install: make the strategy use the result.
       **ops_kwargs: further `CompressedAllReduce` arguments (e.g. `timeout_seconds`).
 
@@ -327,7 +333,7 @@ def autotune(strategy: tf.distribute.Strategy, weights, *, compute: float | Call
                       call_s=calls)
     if trials > 1 and workers > 1:
         decision = _try(strategy, specs, decision, trials, trial_steps, current, ops_kwargs,
-                        make_step)
+                        make_step, weights)
     ops = decision.ops(**ops_kwargs)
     ops.decision = decision
     logging.info("tf_gradsync.autotune: %s, exchange %s, bucket_bytes %d: predicted %.4g s per "
@@ -346,7 +352,7 @@ def autotune(strategy: tf.distribute.Strategy, weights, *, compute: float | Call
 
 
 def _try(strategy: tf.distribute.Strategy, specs, decision: Decision, trials: int, steps: int,
-         exact, ops_kwargs: dict, make_step=None) -> Decision:
+         exact, ops_kwargs: dict, make_step=None, weights=()) -> Decision:
     """Times candidates on the job and returns the decision for the fastest measured one
     (ties: the faster predicted).
 
@@ -384,6 +390,8 @@ def _try(strategy: tf.distribute.Strategy, specs, decision: Decision, trials: in
         offset, step = decision.compute_s, _reduction(strategy, specs)
     else:
         offset, step = 0.0, make_step
+    # Trials that train move the weights: they go back to where the job left them.
+    saved = [(v, tf.identity(v)) for v in _variables(weights)] if make_step else []
 
     last_built = None
 
@@ -395,7 +403,7 @@ def _try(strategy: tf.distribute.Strategy, specs, decision: Decision, trials: in
                 ops = dataclasses.replace(decision, compressor=name, exchange=exchange,
                                           bucket_bytes=bucket_bytes).ops(**ops_kwargs)
                 _install(strategy, ops)
-                built = step()
+                built = step(ops)
                 # A function traced before would go on using the ops it was traced
                 # with, and every trial would time the same candidate.
                 if last_built is not None and built is last_built:
@@ -407,6 +415,8 @@ def _try(strategy: tf.distribute.Strategy, specs, decision: Decision, trials: in
             # The mean must be exact: back to the ops the link was probed with (also
             # when a trial fails, leaving the strategy as it was found).
             _tf_compat.set_cross_device_ops(strategy, exact)
+            for v, value in saved:
+                v.assign(value)
         return tuple((*row, offset + s)
                      for row, s in zip(rows, _mean_over_workers(strategy, seconds)))
 
@@ -441,7 +451,15 @@ def _kind(exchange: str) -> str:
     return "all-reduce" if exchange in ALL_REDUCES else exchange
 
 
-def _reduction(strategy: tf.distribute.Strategy, specs) -> Callable[[], Callable[[], Any]]:
+def _variables(weights) -> list:
+    """The variables of `weights`: a model's (trainable or not), a list's, or none for
+    `(shape, dtype)` pairs."""
+    weights = getattr(weights, "variables", weights)
+    return [w for w in weights if hasattr(w, "assign")]
+
+
+def _reduction(strategy: tf.distribute.Strategy, specs
+               ) -> Callable[[CompressedAllReduce], Callable[[], Any]]:
     """Builds steps that all-reduce gradient-sized tensors through the strategy (each
     built step traces anew, under the ops installed then)."""
     values = strategy.experimental_distribute_values_from_function(
@@ -450,7 +468,7 @@ def _reduction(strategy: tf.distribute.Strategy, specs) -> Callable[[], Callable
                      if dtype.is_floating else tf.zeros(shape, dtype)
                      for i, (shape, dtype) in enumerate(specs)])
 
-    def build():
+    def build(ops):  # pylint: disable=unused-argument  # traced under the installed ops
         @tf.function
         def reduce():
             def fn(v):

@@ -61,19 +61,16 @@ class Workload:
             return strategy.reduce("SUM", strategy.run(fn), axis=None)
         return step
 
-    def compute_step(self, strategy, sync: bool = False):
+    def compute_step(self, strategy):
         """A `tf.function` running forward and backward on every replica, without
-        synchronising the gradients (with `sync`, all-reduced through the strategy's
-        cross-device ops); it returns one number that depends on each of them (so that
-        waiting for it waits for all, copying none)."""
+        synchronising the gradients; it returns one number that depends on each of them
+        (so that waiting for it waits for all, copying none)."""
         import tensorflow as tf  # pylint: disable=import-outside-toplevel
 
         @tf.function
         def step():
             def fn():
                 _, grads = self.gradients()
-                if sync:
-                    grads = tf.distribute.get_replica_context().all_reduce("SUM", grads)
                 return tf.add_n([tf.cast(tf.reshape(getattr(g, "values", g), [-1])[0],
                                          tf.float32) for g in grads])
             return strategy.experimental_local_results(strategy.run(fn))

@@ -145,9 +145,11 @@ def worker(mode: str, params: int, steps: int, batch: int, ifname: str | None = 
         work = models.build(model, batch, params, image_size)
     decision = None
     if mode == AUTOTUNE:
-        # The trials time the job's own forward, backward and reduction.
+        # The trials time the job's own training step, each with the optimizer its ops
+        # adapt (which keeps SGD's momentum for some compressors and not for others).
         ops = gs.autotune(strategy, work.model, compute=work.compute_step(strategy),
-                          make_step=lambda: work.compute_step(strategy, sync=True),
+                          make_step=lambda trial: work.train_step(strategy,
+                                                                  _optimizer(strategy, trial)),
                           accuracy="aggressive", compressors=candidates, timeout_seconds=300)
         # The timed steps measure the chosen compressor's steady state, as the other
         # rows do (PowerSGD's is run with start_iter=0 there).
@@ -156,11 +158,7 @@ def worker(mode: str, params: int, steps: int, batch: int, ifname: str | None = 
         decision = {"compressor": d.compressor, "exchange": d.exchange,
                     "bucket_bytes": d.bucket_bytes, "predicted_step_s": d.predicted_step_s,
                     "measured_step_s": d.measured_step_s, "trials": d.trials}
-    with strategy.scope():
-        opt = tf.keras.optimizers.SGD(1e-3, momentum=0.9)
-        if ops is not None:   # as users do: dgc, for one, brings its own momentum
-            opt = ops.adapt_optimizer(opt)
-    net, step = work.model, work.train_step(strategy, opt)
+    net, step = work.model, work.train_step(strategy, _optimizer(strategy, ops))
 
     step().numpy()
     if barrier is not None:
@@ -193,6 +191,15 @@ def worker(mode: str, params: int, steps: int, batch: int, ifname: str | None = 
     if decision is not None:
         out["decision"] = decision
     return out
+
+
+def _optimizer(strategy, ops=None):
+    """The jobs' SGD with momentum 0.9, adapted to `ops` as users do (dgc, for one,
+    brings its own momentum)."""
+    import tensorflow as tf
+    with strategy.scope():
+        opt = tf.keras.optimizers.SGD(1e-3, momentum=0.9)
+        return opt if ops is None else ops.adapt_optimizer(opt)
 
 
 def payload_bytes(compressor, specs, bucket_bytes: int) -> int:
