@@ -150,3 +150,63 @@ def test_for_round_picks_by_transport_workers_and_size(devices):
     assert algorithms.for_round(SUM, None, one, "auto", 10).name == "tree"
     assert algorithms.for_round(SUM, None, one, "auto", 10 << 20).name == "ring"
     assert algorithms.for_round(SUM, None, one, "collective", 10).name == "collective"
+
+
+def _reduce_step(strategy, arrays):
+    """A training-like step: every replica all-reduces its own arrays."""
+    stacked = [tf.constant(np.stack(per_replica)) for per_replica in zip(*arrays)]
+
+    @tf.function
+    def step():
+        def fn():
+            ctx = tf.distribute.get_replica_context()
+            return ctx.all_reduce("SUM", [s[ctx.replica_id_in_sync_group] for s in stacked])
+        return strategy.experimental_local_results(strategy.run(fn))
+    return step
+
+
+def test_a_bucket_with_modes_waits_for_no_other_buckets_collectives(devices):
+    """With several modes a bucket's rounds run inside one `tf.switch_case`, which takes
+    the ordering tokens of the collectives it holds. With one token per device,
+    TensorFlow would start each bucket's switch only after the previous one had ended
+    (its exchange included); on CPUs each switch has a token of its own. The results
+    still match the ring exchange, which has no collectives."""
+    import tf_gradsync as gs    # pylint: disable=import-outside-toplevel
+    rng = np.random.default_rng(0)
+    arrays = [[rng.standard_normal((64, 32)).astype(np.float32) for _ in range(3)]
+              for _ in devices[:2]]
+    got = {}
+    for algorithm in ("collective", "ring"):
+        # Warm-up of 1: the first step all-reduces densely, the second runs PowerSGD.
+        ops = gs.CompressedAllReduce(gs.compression.get("powersgd", start_iter=1),
+                                     algorithm=algorithm, bucket_bytes=8192, timeout_seconds=60)
+        strategy = tf.distribute.MirroredStrategy(devices[:2], cross_device_ops=ops)
+        step = _reduce_step(strategy, arrays)
+        cases = [op for op in step.get_concrete_function().graph.get_operations()
+                 if op.type == "Case"]
+        if algorithm == "collective":
+            assert len(cases) == 3
+            assert all(not op.control_inputs for op in cases), \
+                [(op.name, [c.name for c in op.control_inputs]) for op in cases]
+        got[algorithm] = [[[t.numpy() for t in r] for r in step()] for _ in range(2)]
+    np.testing.assert_allclose(got["collective"], got["ring"], rtol=1e-5, atol=1e-5)
+    # The dense first step is the exact sum; PowerSGD's second is not.
+    np.testing.assert_allclose(got["collective"][0][1][0], arrays[0][0] + arrays[1][0],
+                               rtol=1e-6)
+    assert not np.allclose(got["collective"][1][1][0], arrays[0][0] + arrays[1][0], rtol=1e-3)
+
+
+def test_cpu_collectives_with_tokens_of_their_own_complete_in_either_launch_order(
+        tmp_path):
+    """Two workers launch two all-reduces in opposite orders (each holds back a different
+    one): CPU collectives match their peers by instance key, so both complete. This is
+    what lets a bucket's switch between modes take a token of its own on CPUs."""
+    import json  # pylint: disable=import-outside-toplevel
+    import os  # pylint: disable=import-outside-toplevel
+    from _multiworker import run_launcher  # pylint: disable=import-outside-toplevel
+    script = os.path.join(os.path.dirname(__file__), "_launch_order.py")
+    proc, _ = run_launcher(script, 2, f"--out={tmp_path}", timeout=180)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    for rank in range(2):
+        got = json.loads((tmp_path / f"order_{rank}.json").read_text())
+        assert got == {"a": [3.0, 20.0], "b": [3.0, 40.0]}

@@ -14,6 +14,7 @@ exactly where it is needed, from copies of every replica's tensor.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Sequence
 
 import tensorflow as tf
@@ -216,7 +217,11 @@ class Pipeline:
                          like=first.like)
             return got, wire.static
 
-        with tf.name_scope("rounds"):
+        # With several modes the rounds run inside one `tf.switch_case`; its collectives
+        # take a token of their own so that it need not wait for other buckets' exchanges.
+        apart = (algorithms.collective.ordered_apart((plan.fingerprint, bucket.id))
+                 if compressor.num_modes > 1 else contextlib.nullcontext())
+        with tf.name_scope("rounds"), apart:
             return driver.run(compressor, xs, ctxs, exchange, mean=reduce_op == MEAN,
                               devices=src,
                               measure_error=self.measure_error and compressor is self.compressor)

@@ -9,6 +9,7 @@ it for a gather.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import zlib
@@ -26,7 +27,8 @@ GROUP_KEY_BASE = 0x6A5000
 _INSTANCE_KEY_BASE = 0x6A5000
 _lock = threading.Lock()
 _instance_keys = itertools.count(_INSTANCE_KEY_BASE)
-_tokens: dict[str, tf.Variable] = {}
+_tokens: dict[Hashable, tf.Variable] = {}
+_apart = threading.local()   # the key of the innermost `ordered_apart`
 
 
 def group_key(role: Hashable) -> int:
@@ -39,16 +41,46 @@ def group_key(role: Hashable) -> int:
 
 
 def ordering_token(device: str) -> tf.Tensor:
-    """The per-device resource that orders collectives launched on `device`.
+    """The resource that orders the collectives launched on `device`.
 
-    Collective ops need it: it gives the ops on one device a fixed launch order (the
-    same on every device, since all devices build their collectives in the same
-    order), without which the collective runtime can wait forever.
+    Every collective op takes it, and TensorFlow runs the ops that share it one after
+    another, in the order they were built, which is the same on every worker. NCCL
+    needs that (two GPUs launching the same two collectives in opposite orders wait for
+    each other forever). On CPU devices, inside `ordered_apart(key)`, the token is one
+    of the key's own.
     """
+    key = getattr(_apart, "key", None)
+    if key is not None and tf.DeviceSpec.from_string(device or "").device_type == "CPU":
+        device_key: Hashable = (device, key)
+    else:
+        device_key = device
     with _lock:
-        if device not in _tokens:
-            _tokens[device] = _tf_compat.plain_variable(lambda: tf.constant(0.0), name="ordering_token", device=device)
-        return _tokens[device].handle
+        if device_key not in _tokens:
+            _tokens[device_key] = _tf_compat.plain_variable(
+                lambda: tf.constant(0.0), name="ordering_token", device=device)
+        return _tokens[device_key].handle
+
+
+@contextlib.contextmanager
+def ordered_apart(key: Hashable):
+    """Collectives built inside, on CPU devices, are ordered among themselves only.
+
+    For the collectives inside one functional op (a bucket's `tf.switch_case` between
+    its compressor's modes): the op takes the token of each collective it holds, so
+    with the device's one token TensorFlow would start it only after the previous
+    bucket's exchange had ended, and none of its compression would overlap that
+    exchange. CPU collectives find their peers by instance key, in any launch order,
+    so there the op may hold a token of its own. GPU devices keep the shared one.
+
+    Args:
+      key: names the group of collectives; the same key gives the same token.
+    """
+    previous = getattr(_apart, "key", None)
+    _apart.key = key
+    try:
+        yield
+    finally:
+        _apart.key = previous
 
 
 def next_instance_key() -> int:

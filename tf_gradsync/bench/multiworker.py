@@ -151,13 +151,12 @@ def worker(mode: str, params: int, steps: int, batch: int, ifname: str | None = 
                           make_step=lambda trial: work.train_step(strategy,
                                                                   _optimizer(strategy, trial)),
                           accuracy="aggressive", compressors=candidates, timeout_seconds=300)
-        # The timed steps measure the chosen compressor's steady state, as the other
-        # rows do (PowerSGD's is run with start_iter=0 there).
-        ops.start_at_step(costmodel.STEADY_STEP)
         d = ops.decision
         decision = {"compressor": d.compressor, "exchange": d.exchange,
                     "bucket_bytes": d.bucket_bytes, "predicted_step_s": d.predicted_step_s,
                     "measured_step_s": d.measured_step_s, "trials": d.trials}
+    if ops is not None:     # every row times its steady state, past any warm-up
+        ops.start_at_step(costmodel.STEADY_STEP)
     net, step = work.model, work.train_step(strategy, _optimizer(strategy, ops))
 
     step().numpy()
