@@ -514,3 +514,19 @@ def test_indexed_slices_across_workers_travel_in_the_wire_dtype(devices, compres
             assert isinstance(g, tf.IndexedSlices) and g.values.dtype == tf.float32
             np.testing.assert_allclose(tf.convert_to_tensor(g).numpy(), want.numpy(),
                                        rtol=0 if wire == tf.float32 else 2 ** -7)
+
+
+def test_values_without_devices_are_refused_rather_than_left_waiting(devices):
+    """Per-replica values handed to a tf.function as arguments arrive as placeholders
+    without devices; every replica's collective would land on one unnamed device and
+    wait for the others forever. The reduction refuses them, naming the devices."""
+    ops = gs.CompressedAllReduce("fp16", algorithm="collective", timeout_seconds=30)
+    strategy = tf.distribute.MirroredStrategy(devices[:2], cross_device_ops=ops)
+    value = per_replica(strategy, (4,), tf.float32, 0)
+    step = tf.function(lambda v: ops.batch_reduce(SUM, [(v, v)]))
+    with pytest.raises(ValueError, match=r"on a device of its own, got devices \('', ''\)"):
+        step(value)
+    # Captured, the same values keep their devices and reduce.
+    (got,) = tf.function(lambda: ops.batch_reduce(SUM, [(value, value)]))()
+    assert_close(got, tf.distribute.ReductionToOneDevice().batch_reduce(SUM, [(value, value)])[0],
+                 tf.float16, scale=4.0)

@@ -88,6 +88,13 @@ class Pipeline:
         for v in values:
             if tuple(v._devices) != src:  # pylint: disable=protected-access
                 raise ValueError(f"all values must live on the same devices: {src} vs {v._devices}")  # pylint: disable=protected-access
+        if len(set(src)) < len(src):
+            # Values handed to a tf.function as arguments arrive as placeholders without a
+            # device; the replicas' collectives would then wait for one another forever.
+            raise ValueError(
+                f"each replica's value must be on a device of its own, got devices {src}: "
+                "pass per-replica values that carry their devices (built inside "
+                "strategy.run, or captured by the function rather than passed to it)")
         dests = tuple(destinations)
         n = len(src)
         if self.num_workers > 1 and (not compress or dests != src):
