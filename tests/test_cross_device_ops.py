@@ -524,7 +524,7 @@ def test_values_without_devices_are_refused_rather_than_left_waiting(devices):
     strategy = tf.distribute.MirroredStrategy(devices[:2], cross_device_ops=ops)
     value = per_replica(strategy, (4,), tf.float32, 0)
     step = tf.function(lambda v: ops.batch_reduce(SUM, [(v, v)]))
-    with pytest.raises(ValueError, match=r"on a device of its own, got devices \('', ''\)"):
+    with pytest.raises(ValueError, match=r"must carry its device, got devices \('', ''\)"):
         step(value)
     # Captured, the same values keep their devices and reduce.
     (got,) = tf.function(lambda: ops.batch_reduce(SUM, [(value, value)]))()

@@ -2,10 +2,15 @@
 numpy, every byte that crosses a device counted, clear errors for what an exchange
 does not move."""
 
+import json
+import os
+
 import numpy as np
 import pytest
 import tensorflow as tf
 
+import tf_gradsync as gs
+from _multiworker import run_launcher  # tests/_multiworker.py
 from tf_gradsync import algorithms
 from tf_gradsync.algorithms import Group, Wire
 from tf_gradsync.algorithms._common import words_of
@@ -171,7 +176,6 @@ def test_a_bucket_with_modes_waits_for_no_other_buckets_collectives(devices):
     TensorFlow would start each bucket's switch only after the previous one had ended
     (its exchange included); on CPUs each switch has a token of its own. The results
     still match the ring exchange, which has no collectives."""
-    import tf_gradsync as gs    # pylint: disable=import-outside-toplevel
     rng = np.random.default_rng(0)
     arrays = [[rng.standard_normal((64, 32)).astype(np.float32) for _ in range(3)]
               for _ in devices[:2]]
@@ -201,9 +205,6 @@ def test_cpu_collectives_with_tokens_of_their_own_complete_in_either_launch_orde
     """Two workers launch two all-reduces in opposite orders (each holds back a different
     one): CPU collectives match their peers by instance key, so both complete. This is
     what lets a bucket's switch between modes take a token of its own on CPUs."""
-    import json  # pylint: disable=import-outside-toplevel
-    import os  # pylint: disable=import-outside-toplevel
-    from _multiworker import run_launcher  # pylint: disable=import-outside-toplevel
     script = os.path.join(os.path.dirname(__file__), "_launch_order.py")
     proc, _ = run_launcher(script, 2, f"--out={tmp_path}", timeout=180)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]

@@ -88,11 +88,11 @@ class Pipeline:
         for v in values:
             if tuple(v._devices) != src:  # pylint: disable=protected-access
                 raise ValueError(f"all values must live on the same devices: {src} vs {v._devices}")  # pylint: disable=protected-access
-        if len(set(src)) < len(src):
+        if len(src) > 1 and "" in src:
             # Values handed to a tf.function as arguments arrive as placeholders without a
             # device; the replicas' collectives would then wait for one another forever.
             raise ValueError(
-                f"each replica's value must be on a device of its own, got devices {src}: "
+                f"each replica's value must carry its device, got devices {src}: "
                 "pass per-replica values that carry their devices (built inside "
                 "strategy.run, or captured by the function rather than passed to it)")
         dests = tuple(destinations)
