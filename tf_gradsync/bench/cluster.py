@@ -47,7 +47,8 @@ flags.DEFINE_integer("rematch", 0, "cluster: with autotune, jobs of the fastest 
                      "mode and of autotune run again, alternating, each this many times.")
 FLAGS = flags.FLAGS
 
-#: PowerSGD without its dense warm-up: the few timed steps measure its steady state.
+#: PowerSGD built without its dense warm-up, as in the sittings BENCHMARKS.md records
+#: (every row starts past its warm-up, so plain `powersgd` would time the steady state too).
 DEFAULT_COMPRESSORS = ("none", "fp16", "int8", "sign", "topk", "powersgd:start_iter=0")
 PLOT = ("mode", "speedup", "speed-up vs stock MWMS", "setup")
 #: With --png, also `<png>_predicted.png`: the cost model's step against the measured one.
