@@ -36,6 +36,8 @@ CLASSES = ("lossless", "balanced", "aggressive")
 BUCKET_SIZES = (4 * 2**20, 32 * 2**20, 128 * 2**20)
 #: Bytes of the probing all-reduces.
 PROBE_BYTES = (2**12, 2**16, 2**20, 2**23)
+#: Turns of each finalist in a run-off (see `autotune`'s `runoff`).
+RUNOFF_ROUNDS = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,8 +56,11 @@ class Decision:
       trials: the candidates timed on the job, `(compressor, exchange, bucket_bytes,
         predicted step_s, measured step_s)`, in the order timed (empty when none were
         timed: one replica, or `trials=0`).
+      runoff: the two fastest trials when they were timed again in turns, with the
+        run-off's step in place of the trial's (empty when there was none).
       measured_step_s: the chosen candidate's measured step (compute plus the timed
-        reduction, or the timed step with `make_step`), or None without trials.
+        reduction, or the timed step with `make_step`; the run-off's when there was
+        one), or None without trials.
     """
 
     compressor: str
@@ -67,6 +72,7 @@ class Decision:
     compute_s: float
     candidates: tuple = ()
     trials: tuple = ()
+    runoff: tuple = ()
     measured_step_s: float | None = None
 
     def ops(self, **kwargs) -> CompressedAllReduce:
@@ -229,7 +235,7 @@ def autotune(strategy: tf.distribute.Strategy, weights, *, compute: float | Call
              accuracy: str = "balanced", compressors: Sequence[str] | None = None,
              bucket_sizes: Sequence[int] = BUCKET_SIZES, probe_bytes: Sequence[int] = PROBE_BYTES,
              calibrate_numel: int = 2**20, overlap: float = 0.0, trials: int = 4,
-             trial_steps: int = 5,
+             trial_steps: int = 5, runoff: float = 0.1,
              make_step: Callable[[CompressedAllReduce], Callable[[], Any]] | None = None,
              install: bool = True, **ops_kwargs) -> CompressedAllReduce:
     """Measures, decides (`decide`) and returns a ready `CompressedAllReduce`.
@@ -263,6 +269,10 @@ def autotune(strategy: tf.distribute.Strategy, weights, *, compute: float | Call
         0 or 1 takes the prediction as it is.
       trial_steps: timed reductions per trial (after one that traces), in the
         compressor's steady state (past its warm-up).
+      runoff: when the two fastest trials are within this fraction of each other,
+        they are timed again, in turns (`RUNOFF_ROUNDS` of `trial_steps` each), and
+        the faster there is chosen: a few steps timed minutes apart can order two
+        close candidates by what else the machines did then. 0 turns it off.
       make_step: builds a step function of the job from the trial's
         `CompressedAllReduce`: one that runs forward, backward, the gradients'
         reduction through the strategy and, best, the optimizer's update with the
@@ -285,7 +295,7 @@ def autotune(strategy: tf.distribute.Strategy, weights, *, compute: float | Call
     Raises:
       ValueError: for an unknown accuracy class or compressor, a strategy whose ops
         already compress, a `compute` that is neither a number nor callable, or
-        `trials` or `trial_steps` out of range, or a `make_step` that is not callable
+        `trials`, `trial_steps` or `runoff` out of range, or a `make_step` that is not callable
         or that returns the same function twice.
 
     Example:
@@ -298,6 +308,8 @@ def autotune(strategy: tf.distribute.Strategy, weights, *, compute: float | Call
     for arg, value, low in (("trials", trials, 0), ("trial_steps", trial_steps, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"{arg} must be an integer >= {low}, got {value!r}")
+    if isinstance(runoff, bool) or not isinstance(runoff, (int, float)) or not runoff >= 0:
+        raise ValueError(f"runoff must be a fraction >= 0, got {runoff!r}")
     if make_step is not None and not callable(make_step):
         raise ValueError(f"make_step must build a step function, got {make_step!r}")
     names = list(compressors) if compressors is not None else candidates(accuracy)
@@ -333,7 +345,7 @@ def autotune(strategy: tf.distribute.Strategy, weights, *, compute: float | Call
                       call_s=calls)
     if trials > 1 and workers > 1:
         decision = _try(strategy, specs, decision, trials, trial_steps, current, ops_kwargs,
-                        make_step, weights)
+                        make_step, weights, runoff)
     ops = decision.ops(**ops_kwargs)
     ops.decision = decision
     logging.info("tf_gradsync.autotune: %s, exchange %s, bucket_bytes %d: predicted %.4g s per "
@@ -346,13 +358,16 @@ def autotune(strategy: tf.distribute.Strategy, weights, *, compute: float | Call
         logging.info("tf_gradsync.autotune trial: %s, exchange %s, bucket_bytes %d: predicted "
                      "%.4g s, measured %.4g s per step", name, exchange, bucket_bytes,
                      predicted, measured)
+    for name, exchange, bucket_bytes, _, measured in decision.runoff:
+        logging.info("tf_gradsync.autotune run-off: %s, exchange %s, bucket_bytes %d: "
+                     "measured %.4g s per step", name, exchange, bucket_bytes, measured)
     if install:
         _install(strategy, ops)
     return ops
 
 
 def _try(strategy: tf.distribute.Strategy, specs, decision: Decision, trials: int, steps: int,
-         exact, ops_kwargs: dict, make_step=None, weights=()) -> Decision:
+         exact, ops_kwargs: dict, make_step=None, weights=(), runoff: float = 0.0) -> Decision:
     """Times candidates on the job and returns the decision for the fastest measured one
     (ties: the faster predicted).
 
@@ -360,7 +375,8 @@ def _try(strategy: tf.distribute.Strategy, specs, decision: Decision, trials: in
     (all-reduce, gather, two phases): the fastest predicted of each kind, then the
     fastest predicted of the rest. Then the winner at each other bucket size that cuts
     the model differently: the model prices fewer, larger buckets as cheaper, but
-    leaves out the copies that fuse several tensors into one.
+    leaves out the copies that fuse several tensors into one. Then, when the two
+    fastest are within `runoff` of each other, a run-off between them.
 
     Each candidate runs the step `make_step` builds or, without it, reduces the same
     gradient-sized tensors (normal noise, different on every replica) through the
@@ -392,25 +408,15 @@ def _try(strategy: tf.distribute.Strategy, specs, decision: Decision, trials: in
         offset, step = 0.0, make_step
     # Trials that train move the weights: they go back to where the job left them.
     saved = [(v, tf.identity(v)) for v in _variables(weights)] if make_step else []
+    # Trials' ops and built steps, kept for a run-off: a batch's until its times are
+    # averaged, then the two fastest's (each holds state as large as the gradients).
+    built_of = {}
 
-    last_built = None
-
-    def measure(rows):
-        nonlocal last_built
-        seconds = []
+    def timed(rows, time_rows):
+        """`rows` with their seconds from `time_rows()` averaged over the workers, the
+        strategy's ops and the weights restored after."""
         try:
-            for name, exchange, bucket_bytes, _ in rows:
-                ops = dataclasses.replace(decision, compressor=name, exchange=exchange,
-                                          bucket_bytes=bucket_bytes).ops(**ops_kwargs)
-                _install(strategy, ops)
-                built = step(ops)
-                # A function traced before would go on using the ops it was traced
-                # with, and every trial would time the same candidate.
-                if last_built is not None and built is last_built:
-                    raise ValueError(f"make_step returned the same step function twice "
-                                     f"({built!r}); it must build a new one on each call")
-                last_built = built
-                seconds.append(_time_step(ops, built, steps))
+            seconds = time_rows()
         finally:
             # The mean must be exact: back to the ops the link was probed with (also
             # when a trial fails, leaving the strategy as it was found).
@@ -420,11 +426,30 @@ def _try(strategy: tf.distribute.Strategy, specs, decision: Decision, trials: in
         return tuple((*row, offset + s)
                      for row, s in zip(rows, _mean_over_workers(strategy, seconds)))
 
-    def fastest(rows):
-        return min(rows, key=lambda r: (round(r[4], 9), rows.index(r)))
+    def measure(rows):
+        seconds = []
+        for name, exchange, bucket_bytes, _ in rows:
+            ops = dataclasses.replace(decision, compressor=name, exchange=exchange,
+                                      bucket_bytes=bucket_bytes).ops(**ops_kwargs)
+            _install(strategy, ops)
+            built = step(ops)
+            # A function traced before would go on using the ops it was traced
+            # with, and every trial would time the same candidate.
+            if any(built is b for _, b in built_of.values()):
+                raise ValueError(f"make_step returned the same step function twice "
+                                 f"({built!r}); it must build a new one on each call")
+            built_of[(name, exchange, bucket_bytes)] = ops, built
+            seconds.append(_time_step(ops, built, steps))
+        return seconds
 
-    rows = measure(tried)
-    name, exchange, bucket_bytes = fastest(rows)[:3]
+    def keep_two(rows):
+        finalists = {r[:3] for r in sorted(rows, key=_measured)[:2]}
+        for key in set(built_of) - finalists:
+            del built_of[key]
+
+    rows = timed(tried, lambda: measure(tried))
+    keep_two(rows)
+    name, exchange, bucket_bytes = min(rows, key=_measured)[:3]
     plans = {_cuts(specs, bucket_bytes)}
     others = []
     for row in priced:
@@ -432,13 +457,33 @@ def _try(strategy: tf.distribute.Strategy, specs, decision: Decision, trials: in
         if cuts is not None and cuts not in plans:
             plans.add(cuts)
             others.append(row)
-    rows += measure(others) if others else ()
-    name, exchange, bucket_bytes, predicted, step_s = fastest(rows)
+    rows += timed(others, lambda: measure(others)) if others else ()
+    keep_two(rows)
+    final = sorted(rows, key=_measured)[:2]
+    again = ()
+    if runoff > 0 and len(final) == 2 and final[1][4] <= final[0][4] * (1 + runoff):
+        # In turns, so that whatever slows the machines for a while slows both.
+        def turns():
+            times = [[], []]
+            for _ in range(RUNOFF_ROUNDS):
+                for i, row in enumerate(final):
+                    ops, built = built_of[row[:3]]
+                    _install(strategy, ops)
+                    times[i].append(costmodel.median_seconds(built, steps)[0])
+            return [float(np.median(t)) for t in times]
+        again = timed([r[:4] for r in final], turns)
+    built_of.clear()
+    name, exchange, bucket_bytes, predicted, step_s = min(again or rows, key=_measured)
     return dataclasses.replace(decision, compressor=name, exchange=exchange,
                                bucket_bytes=bucket_bytes, predicted_step_s=predicted,
                                predicted_speedup=decision.predicted_speedup
                                * decision.predicted_step_s / predicted,
-                               trials=rows, measured_step_s=step_s)
+                               trials=rows, runoff=again, measured_step_s=step_s)
+
+
+def _measured(row) -> tuple:
+    """Sorts timed rows fastest first (ties: the faster predicted, as priced first)."""
+    return round(row[4], 9), row[3]
 
 
 def _cuts(specs, bucket_bytes: int) -> tuple:
