@@ -295,8 +295,8 @@ def autotune(strategy: tf.distribute.Strategy, weights, *, compute: float | Call
     Raises:
       ValueError: for an unknown accuracy class or compressor, a strategy whose ops
         already compress, a `compute` that is neither a number nor callable, or
-        `trials`, `trial_steps` or `runoff` out of range, or a `make_step` that is not callable
-        or that returns the same function twice.
+        `trials`, `trial_steps` or `runoff` out of range, or a `make_step` that is not
+        callable or that returns the same function twice.
 
     Example:
       >>> strategy = tf_gradsync.MultiWorkerMirroredStrategy()
@@ -413,10 +413,10 @@ def _try(strategy: tf.distribute.Strategy, specs, decision: Decision, trials: in
     built_of = {}
 
     def timed(rows, time_rows):
-        """`rows` with their seconds from `time_rows()` averaged over the workers, the
-        strategy's ops and the weights restored after."""
+        """`rows` with their seconds from `time_rows(rows)` averaged over the workers,
+        the strategy's ops and the weights restored after."""
         try:
-            seconds = time_rows()
+            seconds = time_rows(rows)
         finally:
             # The mean must be exact: back to the ops the link was probed with (also
             # when a trial fails, leaving the strategy as it was found).
@@ -447,7 +447,7 @@ def _try(strategy: tf.distribute.Strategy, specs, decision: Decision, trials: in
         for key in set(built_of) - finalists:
             del built_of[key]
 
-    rows = timed(tried, lambda: measure(tried))
+    rows = timed(tried, measure)
     keep_two(rows)
     name, exchange, bucket_bytes = min(rows, key=_measured)[:3]
     plans = {_cuts(specs, bucket_bytes)}
@@ -457,16 +457,16 @@ def _try(strategy: tf.distribute.Strategy, specs, decision: Decision, trials: in
         if cuts is not None and cuts not in plans:
             plans.add(cuts)
             others.append(row)
-    rows += timed(others, lambda: measure(others)) if others else ()
+    rows += timed(others, measure) if others else ()
     keep_two(rows)
     final = sorted(rows, key=_measured)[:2]
     again = ()
     if runoff > 0 and len(final) == 2 and final[1][4] <= final[0][4] * (1 + runoff):
         # In turns, so that whatever slows the machines for a while slows both.
-        def turns():
+        def turns(rows):
             times = [[], []]
             for _ in range(RUNOFF_ROUNDS):
-                for i, row in enumerate(final):
+                for i, row in enumerate(rows):
                     ops, built = built_of[row[:3]]
                     _install(strategy, ops)
                     times[i].append(costmodel.median_seconds(built, steps)[0])

@@ -216,7 +216,7 @@ def payload_bytes(compressor, specs, bucket_bytes: int) -> int:
 
 def _sparse_gradient(variable) -> bool:
     """Embedding tables get IndexedSlices gradients, which are gathered, not bucketed."""
-    return "embedding" in variable.path if hasattr(variable, "path") else "embedding" in variable.name
+    return "embedding" in getattr(variable, "path", variable.name)
 
 
 def _tx_bytes(ifname: str | None) -> int:
