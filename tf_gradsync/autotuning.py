@@ -285,7 +285,7 @@ def autotune(strategy: tf.distribute.Strategy, weights, *, compute: float | Call
         This is what the job will run: the exchanges overlapping backprop, the
         codecs sharing cores with it, and the update. The trials train: the
         variables of `weights` (a model's, trainable or not) are restored after
-        them; optimizers built by `make_step` are the caller's to discard.
+        each; optimizers built by `make_step` are the caller's to discard.
       install: make the strategy use the result.
       **ops_kwargs: further `CompressedAllReduce` arguments (e.g. `timeout_seconds`).
 
@@ -408,77 +408,75 @@ def _try(strategy: tf.distribute.Strategy, specs, decision: Decision, trials: in
         offset, step = 0.0, make_step
     # Trials that train move the weights: they go back to where the job left them.
     saved = [(v, tf.identity(v)) for v in _variables(weights)] if make_step else []
-    # Trials' ops and built steps, kept for a run-off: a batch's until its times are
-    # averaged, then the two fastest's (each holds state as large as the gradients).
+    # The two fastest trials' ops and built steps, kept for a run-off (each holds
+    # state as large as the gradients, an optimizer's slots with `make_step`).
     built_of = {}
 
-    def timed(rows, time_rows):
-        """`rows` with their seconds from `time_rows(rows)` averaged over the workers,
-        the strategy's ops and the weights restored after."""
+    def restored(measure):
+        """The seconds `measure()` gives, averaged over the workers; the strategy's
+        ops and the weights restored after (also when it fails)."""
         try:
-            seconds = time_rows(rows)
+            seconds = measure()
         finally:
-            # The mean must be exact: back to the ops the link was probed with (also
-            # when a trial fails, leaving the strategy as it was found).
+            # The mean must be exact: back to the ops the link was probed with.
             _tf_compat.set_cross_device_ops(strategy, exact)
             for v, value in saved:
                 v.assign(value)
-        return tuple((*row, offset + s)
-                     for row, s in zip(rows, _mean_over_workers(strategy, seconds)))
+        return [offset + s for s in _mean_over_workers(strategy, seconds)]
 
-    def measure(rows):
-        seconds = []
-        for name, exchange, bucket_bytes, _ in rows:
+    def trial(row):
+        name, exchange, bucket_bytes, _ = row
+
+        def measure():
             ops = dataclasses.replace(decision, compressor=name, exchange=exchange,
                                       bucket_bytes=bucket_bytes).ops(**ops_kwargs)
             _install(strategy, ops)
             built = step(ops)
-            # A function traced before would go on using the ops it was traced
-            # with, and every trial would time the same candidate.
+            # A function traced before would go on using the ops it was traced with,
+            # and every trial would time the same candidate.
             if any(built is b for _, b in built_of.values()):
                 raise ValueError(f"make_step returned the same step function twice "
                                  f"({built!r}); it must build a new one on each call")
-            built_of[(name, exchange, bucket_bytes)] = ops, built
-            seconds.append(_time_step(ops, built, steps))
-        return seconds
-
-    def keep_two(rows):
-        finalists = {r[:3] for r in sorted(rows, key=_measured)[:2]}
+            built_of[row[:3]] = ops, built
+            return [_time_step(ops, built, steps)]
+        timed = (*row, *restored(measure))
+        # Every worker keeps the same two: the times are the workers' mean.
+        finalists = {r[:3] for r in sorted([*rows, timed], key=_measured)[:2]}
         for key in set(built_of) - finalists:
             del built_of[key]
+        return timed
 
-    rows = timed(tried, measure)
-    keep_two(rows)
+    rows = []
+    for row in tried:
+        rows.append(trial(row))
     name, exchange, bucket_bytes = min(rows, key=_measured)[:3]
     plans = {_cuts(specs, bucket_bytes)}
-    others = []
     for row in priced:
         cuts = _cuts(specs, row[2]) if row[:2] == (name, exchange) else None
         if cuts is not None and cuts not in plans:
             plans.add(cuts)
-            others.append(row)
-    rows += timed(others, measure) if others else ()
-    keep_two(rows)
+            rows.append(trial(row))
     final = sorted(rows, key=_measured)[:2]
     again = ()
     if runoff > 0 and len(final) == 2 and final[1][4] <= final[0][4] * (1 + runoff):
         # In turns, so that whatever slows the machines for a while slows both.
-        def turns(rows):
+        def turns():
             times = [[], []]
             for _ in range(RUNOFF_ROUNDS):
-                for i, row in enumerate(rows):
+                for i, row in enumerate(final):
                     ops, built = built_of[row[:3]]
                     _install(strategy, ops)
                     times[i].append(costmodel.median_seconds(built, steps)[0])
             return [float(np.median(t)) for t in times]
-        again = timed([r[:4] for r in final], turns)
+        again = tuple((*row[:4], s) for row, s in zip(final, restored(turns)))
     built_of.clear()
     name, exchange, bucket_bytes, predicted, step_s = min(again or rows, key=_measured)
     return dataclasses.replace(decision, compressor=name, exchange=exchange,
                                bucket_bytes=bucket_bytes, predicted_step_s=predicted,
                                predicted_speedup=decision.predicted_speedup
                                * decision.predicted_step_s / predicted,
-                               trials=rows, runoff=again, measured_step_s=step_s)
+                               trials=tuple(rows), runoff=again,
+                               measured_step_s=step_s)
 
 
 def _measured(row) -> tuple:
