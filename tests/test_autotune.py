@@ -10,6 +10,7 @@ import tensorflow as tf
 import tf_gradsync as gs
 from tf_gradsync import autotuning, costmodel
 from tf_gradsync.algorithms.cost import Link, exchange_seconds
+from tf_gradsync.config import DEFAULT_BUCKET_BYTES
 
 BIG = [((2000, 2000), tf.float32), ((2000,), tf.float32)]
 
@@ -285,6 +286,25 @@ def test_a_runoff_times_the_two_fastest_trials_again_in_turns(devices):
     for v, w in zip(model.variables, before):
         np.testing.assert_array_equal(v.numpy(), w)
     assert gs._tf_compat.cross_device_ops_of(strategy) is ops
+
+
+def test_trials_start_at_the_default_bucket_size(devices):
+    """The model prices one 32 MiB bucket under two of 4 MiB (it leaves out how buckets
+    overlap), but the first trials run at the default size; the winner then runs at
+    the other."""
+    strategy = _strategy(devices)
+    weights = [((1024, 1024), tf.float32), ((1024, 1024), tf.float32)]
+    big = 32 * 2**20
+    ops = gs.autotune(strategy, weights, compute=0.01, compressors=["none", "fp16", "topk"],
+                      probe_bytes=(4096, 1 << 16), calibrate_numel=20_000, trial_steps=1,
+                      runoff=0, bucket_sizes=(DEFAULT_BUCKET_BYTES, big))
+    d = ops.decision
+    price = {r[:3]: r[3] for r in d.candidates}
+    assert any(price[(c, e, big)] < price[(c, e, DEFAULT_BUCKET_BYTES)] for c, e, _ in price)
+    *first, last = d.trials
+    assert len(first) == 4 and {t[2] for t in first} == {DEFAULT_BUCKET_BYTES}
+    winner = min(first, key=lambda t: t[4])
+    assert last[:3] == (*winner[:2], big)
 
 
 def test_autotune_refuses_bad_input(devices):

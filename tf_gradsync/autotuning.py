@@ -28,6 +28,7 @@ from tf_gradsync import _tf_compat, algorithms, compression, costmodel
 from tf_gradsync.algorithms.cost import ALL_REDUCES, Link
 from tf_gradsync.bucketing import plan_buckets
 from tf_gradsync.compression.base import SCATTER
+from tf_gradsync.config import DEFAULT_BUCKET_BYTES
 from tf_gradsync.cross_device_ops import CompressedAllReduce
 
 #: Accuracy classes, each including the ones before it (see `Compressor.accuracy`).
@@ -262,8 +263,9 @@ def autotune(strategy: tf.distribute.Strategy, weights, *, compute: float | Call
         of it, for the cost of a call whatever its length: `costmodel.measure_codec`).
       overlap: see `costmodel.predict` (0, the conservative default, assumes no
         exchange hides behind backprop).
-      trials: how many candidates (the best bucket size of each compressor and
-        exchange) to time on the job before choosing: the fastest predicted of each
+      trials: how many candidates (each compressor and exchange at the default
+        `bucket_bytes` where it is among `bucket_sizes`, else at its best predicted
+        size) to time on the job before choosing: the fastest predicted of each
         kind of exchange, then the fastest predicted of the rest; the fastest of them
         is then timed at each other bucket size that groups the tensors differently.
         0 or 1 takes the prediction as it is.
@@ -372,10 +374,11 @@ def _try(strategy: tf.distribute.Strategy, specs, decision: Decision, trials: in
     (ties: the faster predicted).
 
     First `trials` candidates, each compressor at most once per kind of exchange
-    (all-reduce, gather, two phases): the fastest predicted of each kind, then the
-    fastest predicted of the rest. Then the winner at each other bucket size that cuts
-    the model differently: the model prices fewer, larger buckets as cheaper, but
-    leaves out the copies that fuse several tensors into one. Then, when the two
+    (all-reduce, gather, two phases) and at the default bucket size where it is a
+    candidate: the fastest predicted of each kind, then the fastest predicted of the
+    rest. Then the winner at each other bucket size that cuts the model differently:
+    the model prices fewer, larger buckets as cheaper, but leaves out the copies that
+    fuse several tensors into one and the overlap of buckets. Then, when the two
     fastest are within `runoff` of each other, a run-off between them.
 
     Each candidate runs the step `make_step` builds or, without it, reduces the same
@@ -389,9 +392,16 @@ def _try(strategy: tf.distribute.Strategy, specs, decision: Decision, trials: in
     priced = sorted(decision.candidates, key=lambda r: r[3])
     best = {}
     for row in priced:
-        # Each compressor once per kind of exchange: a ring and a tree are priced
-        # apart, but `Decision.ops` leaves the all-reduce's algorithm to the ops.
-        best.setdefault((row[0], _kind(row[1])), row)
+        # Each compressor once per kind of exchange (a ring and a tree are priced
+        # apart, but `Decision.ops` leaves the all-reduce's algorithm to the ops),
+        # ranked by its fastest price and timed at the default bucket size where that
+        # is a candidate: the model leaves out how buckets overlap backprop and one
+        # another, so it favours the largest, which the job's trials found 0-20%
+        # slower than 4 MiB (BENCHMARKS.md, "A run-off between close trials").
+        key = (row[0], _kind(row[1]))
+        if key not in best or (row[2] == DEFAULT_BUCKET_BYTES
+                               and best[key][2] != DEFAULT_BUCKET_BYTES):
+            best[key] = row                    # keeps the key's place in the ranking
     ranked = list(best.values())
     # The fastest predicted of each kind of exchange first, then the fastest of the
     # rest: the model's errors are shared within a kind (the same collective rounds,
