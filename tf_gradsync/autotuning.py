@@ -396,7 +396,7 @@ def _try(strategy: tf.distribute.Strategy, specs, decision: Decision, trials: in
         # apart, but `Decision.ops` leaves the all-reduce's algorithm to the ops),
         # ranked by its fastest price and timed at the default bucket size where that
         # is a candidate: the model leaves out how buckets overlap backprop and one
-        # another, so it favours the largest, which the job's trials found 0-20%
+        # another, so it favours the largest, which the job's trials found 0-25%
         # slower than 4 MiB (BENCHMARKS.md, "A run-off between close trials").
         key = (row[0], _kind(row[1]))
         if key not in best or (row[2] == DEFAULT_BUCKET_BYTES
