@@ -284,6 +284,17 @@ def test_micro_times_codecs_compiled_and_not_on_the_same_payload(name):
                and r["ms"] == r["seconds"] * 1e3 for r in rows)
 
 
+def test_micro_tiny_run_has_the_copy_it_is_compared_with(tmp_path):
+    out = bench("micro", "--compressors=sign,topk", "--sizes=4096", "--repeats=1",
+                f"--json={tmp_path / 'm.json'}")
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = json.loads((tmp_path / "m.json").read_text())
+    assert [r["compressor"] for r in rows] == ["copy", "sign", "topk"]
+    copy = rows[0]["gb_per_s"]
+    assert copy > 0 and rows[0]["of_copy"] == 1.0
+    assert all(r["of_copy"] == pytest.approx(r["gb_per_s"] / copy) for r in rows[1:])
+
+
 @pytest.mark.parametrize("keep", [True, False])
 def test_keep_freed_buffers_keeps_a_freed_buffer_in_the_process(keep):
     """With `keep_freed_buffers`, glibc keeps a freed 128 MB buffer (reused by the next

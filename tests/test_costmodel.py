@@ -212,3 +212,16 @@ def test_measured_throughput_is_positive_and_counts_the_payload():
     assert row["payload_bytes"] == sum(
         b for _, b in costmodel.bucket_rounds(gs.compression.get("int8"),
                                               Layout((costmodel.matrix_shape(100_000),))))
+
+
+def test_median_seconds_returns_the_first_result_whole_and_times_every_call():
+    calls = []
+
+    def fn():
+        calls.append(1)
+        return {"x": tf.fill([len(calls), 3], float(len(calls))), "n": 7,
+                "empty": tf.zeros([0])}
+    sec, first = costmodel.median_seconds(fn, 4)
+    assert len(calls) == 5 and sec >= 0
+    np.testing.assert_array_equal(first["x"], np.ones([1, 3]))
+    assert first["n"] == 7 and first["empty"].shape == (0,)

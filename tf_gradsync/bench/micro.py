@@ -1,5 +1,6 @@
 """Compressor throughput: compress + decompress of dense float32 input, one replica, one
-core. By default glibc keeps the buffers it frees (`keep_freed_buffers`, as in the
+core, against a plain copy of the same bucket timed in the same run (`copy`, and each
+row's `of_copy`: machines differ in memory speed, the ratio less). By default glibc keeps the buffers it frees (`keep_freed_buffers`, as in the
 workers of the multi-process suites), so that each call reuses memory instead of faulting
 in fresh pages; `--nomicro_keep_buffers` times malloc's defaults."""
 
@@ -42,6 +43,13 @@ def measure(name, numel: int, repeats: int = 5, jit_compile: bool = True,
             "gb_per_s": dense / sec / 1e9, "payload_bytes": sent, "ratio": dense / max(sent, 1)}
 
 
+def copy_seconds(numel: int, repeats: int = 5) -> float:
+    """Median seconds of one copy of `numel` float32 (read once, written once)."""
+    x = tf.random.stateless_normal([numel], (1, 2))
+    copy = tf.function(lambda x: tf.raw_ops.DeepCopy(x=x))
+    return costmodel.median_seconds(lambda: copy(x), repeats)[0]
+
+
 def run() -> tuple[list[dict], list[str]]:
     """The suite: every compressor (or --compressors) at every size, on one core."""
     tf.config.threading.set_intra_op_parallelism_threads(1)
@@ -53,12 +61,19 @@ def run() -> tuple[list[dict], list[str]]:
         if text.lower() not in ("true", "false"):
             raise ValueError(f"--micro_jit_compile takes true and/or false, got {text!r}")
         modes.append(text.lower() == "true")
+    copy_gb_per_s = {}
+    for size in map(int, FLAGS.sizes):
+        sec = copy_seconds(size, FLAGS.repeats)
+        copy_gb_per_s[size] = size * 4 / sec / 1e9
+        rows.append({"compressor": "copy", "numel": size, "allocation": allocation,
+                     "ms": sec * 1e3, "gb_per_s": copy_gb_per_s[size], "of_copy": 1.0})
     for name in FLAGS.compressors or compression.names():
-        for size in FLAGS.sizes:
+        for size in map(int, FLAGS.sizes):
             for jit in modes:
                 print(f"[bench] micro {name} {size} jit_compile={jit}", file=sys.stderr,
                       flush=True)
-                rows.append(dict(measure(name, int(size), FLAGS.repeats, jit,
-                                         FLAGS.micro_data_path), allocation=allocation))
+                row = measure(name, size, FLAGS.repeats, jit, FLAGS.micro_data_path)
+                rows.append(dict(row, allocation=allocation,
+                                 of_copy=row["gb_per_s"] / copy_gb_per_s[size]))
     return rows, ["compressor", "numel", "jit_compile", "data_path", "allocation", "ms",
-                  "gb_per_s", "payload_bytes", "ratio"]
+                  "gb_per_s", "of_copy", "payload_bytes", "ratio"]
