@@ -49,10 +49,12 @@ class Reduction:
 
 
 def reduce(c: C.Compressor, xs, states=None, *, shapes=None, step=0, seed=(1, 2),
-           mean=False, two_phases=False, jit_compile=False) -> Reduction:
+           mean=False, two_phases=False, jit_compile=False, measure_error=True) -> Reduction:
     """One synchronisation of `xs` (one flat bucket per replica) through the driver;
     with `two_phases`, its payloads travel in two phases (states from `make_state`
-    with each replica's chunks); with `jit_compile`, decodings compile with XLA."""
+    with each replica's chunks); with `jit_compile`, decodings compile with XLA;
+    without `measure_error`, no error terms are computed (`error_sq` and `norm_sq`
+    then zero)."""
     layout = layout_of(xs[0], shapes)
     chunks = [two_phase.split(layout, len(xs), r) if two_phases else None
               for r in range(len(xs))]
@@ -66,7 +68,7 @@ def reduce(c: C.Compressor, xs, states=None, *, shapes=None, step=0, seed=(1, 2)
         transports.append(messages[0].transport)
         return driver.local_exchange(messages)
 
-    out = driver.run(c, list(xs), ctxs, exchange, mean=mean, measure_error=True)
+    out = driver.run(c, list(xs), ctxs, exchange, mean=mean, measure_error=measure_error)
     return Reduction(out.results, payloads, transports, int(out.bytes), out.error_sq,
                      out.norm_sq)
 

@@ -245,6 +245,15 @@ def test_passes_counts_the_data_path_from_the_graph(devices):
     assert fp16["unknown"] == 0
 
 
+def test_passes_powersgd_reads_its_m_once_less_without_the_error(devices):
+    """Without the error measured, PowerSGD's residual reset reads finiteness from its
+    factors instead of M's norm: one read of M (a byte per byte of gradient) less."""
+    from tf_gradsync.bench import passes as P
+    on, off = (P.count("powersgd:start_iter=0", (64, 30), devices=devices[:2],
+                       measure_error=m) for m in (True, False))
+    assert on["total"] - off["total"] == pytest.approx(1.0, abs=0.05)
+
+
 def test_mean_over_seeds():
     from tf_gradsync.bench import accuracy
     runs = [{"seed": s, "accuracy": c[-1], "accuracies": c, "at_epoch": t, "train_s": t[-1],

@@ -1069,6 +1069,46 @@ def test_powersgd_error_terms_match_numpy(error_feedback, rank, jit_compile):
             assert kept == pytest.approx(want_err, rel=1e-4)
 
 
+@pytest.mark.parametrize("bad_at,bad", [(None, None), (80, math.nan), (80, -math.inf),
+                                        (72, math.nan), (72, math.inf)],
+                         ids=["finite", "nan-in-a-matrix", "inf-in-a-matrix",
+                              "nan-sent-as-it-is", "inf-sent-as-it-is"])
+@pytest.mark.parametrize("rank,jit_compile", POWERSGD_FORMS)
+def test_powersgd_residual_without_the_error_measured(bad_at, bad, rank, jit_compile):
+    """Without the error measured, the residual's reset reads finiteness from Q_i and
+    the tensors sent as they are: every state kept equals the one kept with the error
+    measured. After finite steps both replicas keep a residual. A non-finite entry of
+    replica 1 in a matrix (80: the [50, 10] kernel) reaches both through the summed P,
+    and both reset; in a tensor sent as it is (72: the [4] bias) only replica 1's own
+    inputs are not finite, and only it resets."""
+    c = C.get("powersgd", rank=rank, start_iter=0, min_compression_rate=1)
+    assert any(a.offset <= 80 < a.offset + a.size for a in c.plan(LAYOUT).matrices)
+    assert any(o <= 72 < o + s for o, s in c.plan(LAYOUT).dense)
+    kept, results = {}, {}
+    for measured in (True, False):
+        states = [make_state(c, LAYOUT) for _ in range(2)]
+        for step in range(3):
+            xs = [rand(N, seed=10 * step + i, scales=SCALES).numpy() for i in range(2)]
+            if bad_at is not None and step == 2:
+                xs[1][bad_at] = bad
+            out = reduce(c, [tf.constant(x) for x in xs], states, step=step, shapes=SHAPES,
+                         mean=True, jit_compile=jit_compile, measure_error=measured)
+        kept[measured] = [{k: v.numpy() for k, v in s.items()} for s in states]
+        results[measured] = out.results[0].numpy()
+    for with_error, without in zip(kept[True], kept[False]):
+        assert sorted(with_error) == sorted(without)
+        for name in with_error:
+            np.testing.assert_array_equal(without[name], with_error[name], err_msg=name)
+    residuals = [np.abs(c.residual(s, LAYOUT).numpy()).sum() for s in
+                 [{k: tf.constant(v) for k, v in state.items()} for state in kept[False]]]
+    if bad is None:
+        np.testing.assert_array_equal(results[False], results[True])
+        assert all(r > 0 for r in residuals)
+    else:
+        assert not np.all(np.isfinite(results[False]))
+        assert residuals[1] == 0 and (residuals[0] == 0) == (bad_at == 80)
+
+
 @pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: d.name)
 def test_powersgd_dtypes_and_bytes(dtype):
     c = C.get("powersgd", start_iter=0)

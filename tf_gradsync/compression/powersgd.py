@@ -230,18 +230,20 @@ class PowerSGD(Compressor):
                  else list(received[1:]))
         pieces = [(a.offset, r) for a, r in zip(plan.matrices, recon)]
         pieces += [(o, tf.cast(d, wd)) for (o, _), d in zip(plan.dense, dense)]
-        if self.error_feedback or ctx.errors is not None:
+        if ctx.errors is not None:
             error_sq, norm_sq = _error_terms(ms, q_locals, x, plan)
-            if self.error_feedback:
-                # The new residual's factors; all zero after a non-finite step (the
-                # error is not finite exactly when M, P_hat or Q_i is not, the norm when
-                # a tensor sent as it is is not).
-                finite = tf.math.is_finite(error_sq + norm_sq)
-                for name, parts in (("p", p_hats), ("q_local", q_locals)):
-                    flat = _concat([tf.reshape(t, [-1]) for t in parts])
-                    state[name].assign(tf.where(finite, flat, tf.zeros_like(flat)))
-                when(~finite, lambda: [m.assign(tf.zeros_like(m)) for m in kept])
             ctx.record_error(x, None, error_sq=error_sq, norm_sq=norm_sq)
+            # Not finite exactly when M, P_hat or Q_i is not (the error), or a tensor
+            # sent as it is is not (the norm).
+            finite = tf.math.is_finite(error_sq + norm_sq)
+        elif self.error_feedback:
+            finite = _finite_without_norms(q_locals, x, plan)
+        if self.error_feedback:
+            # The new residual's factors; all zero after a non-finite step.
+            for name, parts in (("p", p_hats), ("q_local", q_locals)):
+                flat = _concat([tf.reshape(t, [-1]) for t in parts])
+                state[name].assign(tf.where(finite, flat, tf.zeros_like(flat)))
+            when(~finite, lambda: [m.assign(tf.zeros_like(m)) for m in kept])
         if self.warm_start:
             ok = tf.reduce_all(tf.math.is_finite(q_sum)) & tf.reduce_any(q_sum != 0)
             seed = tf.convert_to_tensor(ctx.seed, tf.int64)
@@ -277,6 +279,16 @@ def _error_terms(ms, q_locals, x, plan: _Plan) -> tuple[tf.Tensor, tf.Tensor]:
     wd = norms[0].dtype
     norms += [sum_of_squares(tf.cast(x[o:o + s], wd)) for o, s in plan.dense]
     return tf.add_n(errors), tf.add_n(norms)
+
+
+def _finite_without_norms(q_locals, x, plan: _Plan) -> tf.Tensor:
+    """Whether M, P_hat, Q_i and the tensors sent as they are are all finite, read from
+    Q_i and those tensors alone: Q_i = M^T P_hat is not finite wherever M or P_hat is
+    not (a NaN meets every column of P_hat in the product, an Inf too, and Inf times 0
+    is NaN). Without the error measured, this spares the pass over M that its norm
+    takes (25M entries, one core: 11 of PowerSGD's 75 ms)."""
+    parts = [*q_locals, *(x[o:o + s] for o, s in plan.dense)]
+    return tf.reduce_all(tf.stack([_util.all_finite(t) for t in parts]))
 
 
 def _factor(flat: tf.Tensor, offset: int, rows: int, rank: int) -> tf.Tensor:
