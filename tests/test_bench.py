@@ -245,12 +245,14 @@ def test_passes_counts_the_data_path_from_the_graph(devices):
     assert fp16["unknown"] == 0
 
 
-def test_passes_powersgd_reads_its_m_once_less_without_the_error(devices):
-    """Without the error measured, PowerSGD's residual reset reads finiteness from its
-    factors instead of M's norm: one read of M (a byte per byte of gradient) less."""
+@pytest.mark.parametrize("spec", ["powersgd:start_iter=0", "dgc"])
+def test_passes_the_error_costs_one_read_of_what_was_compressed(devices, spec):
+    """The error's norm is one read (a byte per byte of gradient), and the reset after
+    a non-finite step costs nothing apart: without the error, PowerSGD reads finiteness
+    from its factors, not M's norm; with it, DGC reads it from v's norm, not v's sum."""
     from tf_gradsync.bench import passes as P
-    on, off = (P.count("powersgd:start_iter=0", (64, 30), devices=devices[:2],
-                       measure_error=m) for m in (True, False))
+    on, off = (P.count(spec, (64, 30), devices=devices[:2], measure_error=m)
+               for m in (True, False))
     assert on["total"] - off["total"] == pytest.approx(1.0, abs=0.05)
 
 

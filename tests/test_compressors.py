@@ -565,12 +565,19 @@ def test_dgc_warmup_clip_and_nan_reset():
     c = C.get("dgc", ratio=1.0, momentum=0.0, clip_norm=2.0)
     y = reduce(c, [10 * rand(64)] * 4, mean=True).results[0]
     np.testing.assert_allclose(np.linalg.norm(y.numpy()), 1.0, rtol=1e-5)
-    for jit_compile in (False, True):
+    # A non-finite entry resets u and v, read from v's norm with the error measured and
+    # from v's sum without.
+    c = C.get("dgc", ratio=0.1)
+    for jit_compile, measure_error, bad in [(False, True, math.nan), (True, True, math.nan),
+                                            (False, False, math.nan), (True, False, -math.inf)]:
         state = make_state(c, C.Layout.flat(64))
+        roundtrip(c, rand(64), state)
+        assert state["u"].numpy().any() and state["v"].numpy().any()
         x = rand(64).numpy()
-        x[3] = math.nan
-        y = roundtrip(c, tf.constant(x), state, jit_compile=jit_compile)
-        assert np.isnan(y.numpy()).any()
+        x[3] = bad
+        out = reduce(c, [tf.constant(x)], [state], jit_compile=jit_compile,
+                     measure_error=measure_error)
+        assert np.isnan(out.results[0].numpy()).any()
         assert not state["u"].numpy().any() and not state["v"].numpy().any()
 
 

@@ -165,9 +165,14 @@ class DGC(_sparse.SparseDecoding, Compressor):
         ctx.stage(accumulate, g)
         v_new = v.read_value()
         values, idx, valid = self._select(v_new, seg, ctx, x.dtype)
-        finite = _util.all_finite(v_new)
         # Read before the masking below writes v, which would otherwise copy it first.
-        norm_sq = sum_of_squares(v_new) if ctx.errors is not None else tf.zeros([], wd)
+        if ctx.errors is not None:
+            # One read of v serves both: its squared norm is not finite exactly when an
+            # entry is not (or overflows, beyond 1e19 in float32: the state restarts).
+            norm_sq = sum_of_squares(v_new)
+            finite = tf.math.is_finite(norm_sq)
+        else:
+            norm_sq, finite = tf.zeros([], wd), _util.all_finite(v_new)
 
         def mask(sent, idx, valid):
             # Sent entries (valid slots; padding leaves its entry alone) are zeroed in u
