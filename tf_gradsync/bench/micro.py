@@ -1,8 +1,9 @@
 """Compressor throughput: compress + decompress of dense float32 input, one replica, one
 core, against a plain copy of the same bucket timed in the same run (`copy`, and each
-row's `of_copy`: machines differ in memory speed, the ratio less). By default glibc keeps the buffers it frees (`keep_freed_buffers`, as in the
-workers of the multi-process suites), so that each call reuses memory instead of faulting
-in fresh pages; `--nomicro_keep_buffers` times malloc's defaults."""
+row's `of_copy`: machines differ in memory speed, the ratio less). By default glibc
+keeps the buffers it frees (`keep_freed_buffers`, as in the workers of the
+multi-process suites), so that each call reuses memory instead of faulting in fresh
+pages; `--nomicro_keep_buffers` times malloc's defaults."""
 
 from __future__ import annotations
 
