@@ -166,6 +166,16 @@ def test_autotune_measures_installs_and_trains(devices):
     assert (d.compressor, d.exchange, d.bucket_bytes) == fastest[:3]
     assert d.measured_step_s == fastest[4] and d.predicted_step_s == fastest[3]
     assert ops.stats()["steps"] == 0          # a fresh ops, not a trial's past warm-up
+    # The pick watches its compression error, unless lossless or in two phases (where
+    # no replica holds a whole bucket); `guard=False` opts out.
+    guarded = d.compressor == "topk" and d.exchange != "two_phase"
+    assert (ops.compressor.name == "guard") == guarded and d.guard
+    assert dataclasses.replace(d, compressor="topk", exchange="gather").ops().compressor.name \
+        == "guard"
+    assert dataclasses.replace(d, compressor="topk", exchange="two_phase").ops().compressor \
+        .name == "error_feedback"
+    assert dataclasses.replace(d, compressor="topk", exchange="gather", guard=False).ops() \
+        .compressor.name == "error_feedback"
     # The installed ops serve the strategy's gradient reduction.
     x = tf.random.stateless_normal([8, 32], (1, 2))
     with strategy.scope():
@@ -222,6 +232,8 @@ def test_autotune_times_the_jobs_own_step(devices):
         trial_ops = dataclasses.replace(d, compressor=trial[0], exchange=trial[1],
                                         bucket_bytes=trial[2]).ops()
         assert repr(used) == repr(trial_ops)
+        # Each trial times the ops as they would be chosen: guarded where they would be.
+        assert ("Guard(" in repr(used)) == (trial[0] == "topk" and trial[1] != "two_phase")
         # The step went through the trial's ops: one tracing call, one untimed, three timed.
         assert used.stats()["steps"] == costmodel.STEADY_STEP + 4
         assert 0 < trial[4] < 100.0              # the step's own time, compute not added
@@ -320,6 +332,8 @@ def test_autotune_refuses_bad_input(devices):
         gs.autotune(strategy, weights, compute=0.1, runoff=-0.1)
     with pytest.raises(ValueError, match="unknown compressor 'zip'"):
         gs.autotune(strategy, weights, compute=0.1, compressors=["zip"])
+    with pytest.raises(ValueError, match="guard must be True or False, got 1"):
+        gs.autotune(strategy, weights, compute=0.1, guard=1)
     busy = tf.distribute.MirroredStrategy(devices, cross_device_ops=gs.CompressedAllReduce("fp16"))
     with pytest.raises(ValueError, match="already uses CompressedAllReduce"):
         gs.autotune(busy, weights, compute=0.1)

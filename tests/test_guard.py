@@ -23,17 +23,31 @@ def _topk():
     return ErrorFeedback(get("topk", ratio=0.001))
 
 
+def _states(compressor, layout, n):
+    return [{k: tf.Variable(s.initializer(s.shape, s.dtype))
+             for k, s in compressor.state_spec(layout).items()} for _ in range(n)]
+
+
+def _reduce(compressor, states, xs, step, layout=LAYOUT):
+    ctxs = [gs.compression.Context(state=st, step=step, seed=(step, 0), num_replicas=len(xs),
+                                   replica=r, layout=layout) for r, st in enumerate(states)]
+    return driver.run(compressor, xs, ctxs, lambda m: driver.local_exchange(m))
+
+
 def test_falls_back_after_a_lossy_window_and_returns_when_the_inner_one_would_not_lose():
     inner = get("topk", ratio=0.001)            # no memory: its error is that of x alone
     guard = Guard(inner, window=3)
     run = costmodel.roundtrip_fn(guard, LAYOUT)
     topk_bytes = sum(b for _, b in costmodel.bucket_rounds(inner, LAYOUT))
+    assert [b for _, b in costmodel.bucket_rounds(guard, LAYOUT)] == [topk_bytes + 8]
     sent = []
-    for step in range(3):                        # dense noise: one entry in 1000 kept
+    # Dense noise: one entry in 1000 kept. Each step pools the step before's error,
+    # so the first window (3 pooled steps) ends at the fourth step.
+    for step in range(4):
         x = tf.random.stateless_normal([1000], (step, 1))
         y, b = run(x)
         sent.append(int(b))
-    assert sent == [topk_bytes + 8] * 3          # the payload and the pooled error
+    assert sent == [topk_bytes + 8] * 4          # the payload and the pooled error
     for step in range(3):                        # in fp16 now: the sum, to fp16 precision
         x = tf.random.stateless_normal([1000], (step, 2))
         y, b = run(x)
@@ -78,22 +92,63 @@ def test_replicas_decide_on_the_pooled_error(devices):
     pooled error and all of them switch on the same step."""
     guard = Guard(_topk(), bound=0.3, window=2)
     n = len(devices)
-    state = [{k: tf.Variable(s.initializer(s.shape, s.dtype)) for k, s in
-              guard.state_spec(LAYOUT).items()} for _ in range(n)]
-
-    def reduce(step):
-        xs = [tf.random.stateless_normal([1000], (step, 9)) * 10 if r == 0 else _sparse(step)
-              for r in range(n)]
-        ctxs = [gs.compression.Context(state=state[r], step=step, seed=(step, 0),
-                                       num_replicas=n, replica=r, layout=LAYOUT)
-                for r in range(n)]
-        return driver.run(guard, xs, ctxs, lambda m: driver.local_exchange(m))
-
+    state = _states(guard, LAYOUT, n)
     levels = []
     for step in range(4):
-        reduce(step)
+        xs = [tf.random.stateless_normal([1000], (step, 9)) * 10 if r == 0 else _sparse(step)
+              for r in range(n)]
+        _reduce(guard, state, xs, step)
         levels.append([int(s["level"].numpy()) for s in state])
-    assert levels == [[0] * n, [1] * n, [1] * n, [1] * n]
+    # Step 0's error is pooled on step 1, and the window of two ends on step 2.
+    assert levels == [[0] * n, [0] * n, [1] * n, [1] * n]
+
+
+def test_guards_a_compressor_of_several_rounds(devices):
+    """PowerSGD (two rounds) guarded: on the inner compressor, its results and state are
+    PowerSGD's alone, with 8 bytes more; on the fallback it keeps running its rounds
+    (the second needs the first's sum), its result unused, so its state still
+    advances as PowerSGD's alone; every replica switches on the same step."""
+    n = len(devices)
+    guard, alone = Guard(get("powersgd", rank=1, start_iter=0), bound=0.5, window=2), \
+        get("powersgd", rank=1, start_iter=0)
+    states, ref = _states(guard, LAYOUT, n), _states(alone, LAYOUT, n)
+    fp16 = 2 * (n - 1) * (2 * 1000 + 8)          # local_exchange's count for a sum
+    for step in range(5):
+        xs = [tf.random.stateless_normal([1000], (step, r)) for r in range(n)]
+        got, want = _reduce(guard, states, xs, step), _reduce(alone, ref, xs, step)
+        levels = [int(s["level"].numpy()) for s in states]
+        if step < 3:                              # the window of two pooled steps ends
+            for g, w in zip(got.results, want.results):
+                np.testing.assert_array_equal(g.numpy(), w.numpy())
+            assert int(got.bytes) == int(want.bytes) + 2 * (n - 1) * 8
+        else:
+            np.testing.assert_allclose(got.results[0].numpy(), tf.add_n(xs).numpy(),
+                                       rtol=2e-3, atol=2e-3)
+            assert int(got.bytes) == int(want.bytes) + fp16
+        assert levels == [int(step >= 2)] * n
+        for st, rf in zip(states, ref):
+            for k, v in rf.items():
+                np.testing.assert_array_equal(st["inner_" + k].numpy(), v.numpy())
+
+
+def test_a_compressor_of_several_rounds_returns_when_it_would_not_lose(devices):
+    """Guarded PowerSGD without error feedback falls back on noise and returns once
+    the replicas' buckets are one rank-1 matrix, which rank 1 sends exactly."""
+    n = len(devices)
+    guard = Guard(get("powersgd", rank=1, start_iter=0, error_feedback=False), bound=0.6,
+                  window=2)
+    states = _states(guard, LAYOUT, n)
+    u, v = np.arange(1, 101, dtype=np.float32), np.linspace(-1, 1, 10, dtype=np.float32)
+    rank1 = [tf.constant(np.outer(u, v).ravel() * (r + 1)) for r in range(n)]
+    levels = []
+    for step in range(6):
+        xs = ([tf.random.stateless_normal([1000], (step, r)) for r in range(n)]
+              if step < 3 else rank1)
+        out = _reduce(guard, states, xs, step)
+        levels.append(int(states[0]["level"].numpy()))
+    # Back after step 4: its window pooled step 2's noise and step 3's exact shadow.
+    assert levels == [0, 0, 1, 1, 0, 0]
+    np.testing.assert_allclose(out.results[0].numpy(), tf.add_n(rank1).numpy(), rtol=1e-4)
 
 
 def test_ops_take_a_guard_and_check_it():
@@ -101,8 +156,37 @@ def test_ops_take_a_guard_and_check_it():
     assert gs.CompressedAllReduce("fp16", guard=True).compressor.name == "fp16"   # lossless
     with pytest.raises(ValueError, match="guard must be True or False, got 'yes'"):
         gs.CompressedAllReduce("topk", guard="yes")
-    with pytest.raises(ValueError, match="single-round codec"):
-        gs.CompressedAllReduce("powersgd", guard=True)
+    assert gs.CompressedAllReduce("powersgd", guard=True).compressor.name == "guard"
+    with pytest.raises(ValueError, match="exchange='two_phase' cuts buckets into chunks"):
+        gs.CompressedAllReduce("topk", guard=True, exchange="two_phase")
     with pytest.raises(ValueError, match="bound"):
         Guard("topk", bound=0)
     assert gs.SyncConfig(compression="sign", guard=True).build().compressor.name == "guard"
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "collective"])
+def test_guarded_powersgd_reduces_as_powersgd_through_a_strategy(devices, algorithm):
+    """In a strategy's step, over three buckets: PowerSGD's results unguarded, while
+    its error stays within the bound (to rounding: a round's tensors of one dtype are
+    summed fused, so the error terms riding on the first round move where a ring cuts
+    it into chunks, and with them the order of some additions)."""
+    got = []
+    for guard in (False, True):
+        ops = gs.CompressedAllReduce("powersgd", guard=guard, algorithm=algorithm,
+                                     bucket_bytes=4000, timeout_seconds=60)
+        ops.start_at_step(1000)                          # past PowerSGD's warm-up
+        strategy = tf.distribute.MirroredStrategy(devices, cross_device_ops=ops)
+
+        def fn():
+            r = tf.distribute.get_replica_context().replica_id_in_sync_group
+            xs = [tf.random.stateless_normal(s, tf.stack([r, i]))
+                  for i, s in enumerate([(30, 20), (20,), (40, 25)])]
+            return tf.distribute.get_replica_context().all_reduce("SUM", xs)
+        step = tf.function(lambda: strategy.run(fn))
+        runs = [[strategy.experimental_local_results(t)[0].numpy() for t in step()]
+                for _ in range(3)]
+        got.append((runs, ops.stats()["last_bytes_sent"]))
+    for plain, guarded in zip(got[0][0], got[1][0]):
+        for a, b in zip(plain, guarded):
+            np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-5)
+    assert got[0][1] < got[1][1]

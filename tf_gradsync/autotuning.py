@@ -62,6 +62,8 @@ class Decision:
       measured_step_s: the chosen candidate's measured step (compute plus the timed
         reduction, or the timed step with `make_step`; the run-off's when there was
         one), or None without trials.
+      guard: whether the ops watch their compression error (`CompressedAllReduce`'s
+        `guard`); not in two phases, where no replica holds a whole bucket's error.
     """
 
     compressor: str
@@ -75,12 +77,14 @@ class Decision:
     trials: tuple = ()
     runoff: tuple = ()
     measured_step_s: float | None = None
+    guard: bool = False
 
     def ops(self, **kwargs) -> CompressedAllReduce:
         """The `CompressedAllReduce` of this decision (`kwargs`: its other arguments)."""
         exchange = self.exchange if self.exchange in ("gather", "two_phase") else "auto"
         return CompressedAllReduce(self.compressor, bucket_bytes=self.bucket_bytes,
-                                   exchange=exchange, **kwargs)
+                                   exchange=exchange,
+                                   guard=self.guard and exchange != "two_phase", **kwargs)
 
 
 def candidates(accuracy: str) -> list[str]:
@@ -238,7 +242,7 @@ def autotune(strategy: tf.distribute.Strategy, weights, *, compute: float | Call
              calibrate_numel: int = 2**20, overlap: float = 0.0, trials: int = 4,
              trial_steps: int = 5, runoff: float = 0.1,
              make_step: Callable[[CompressedAllReduce], Callable[[], Any]] | None = None,
-             install: bool = True, **ops_kwargs) -> CompressedAllReduce:
+             guard: bool = True, install: bool = True, **ops_kwargs) -> CompressedAllReduce:
     """Measures, decides (`decide`) and returns a ready `CompressedAllReduce`.
 
     Call it after creating the strategy and before building the model's training
@@ -288,6 +292,10 @@ def autotune(strategy: tf.distribute.Strategy, weights, *, compute: float | Call
         codecs sharing cores with it, and the update. The trials train: the
         variables of `weights` (a model's, trainable or not) are restored after
         each; optimizers built by `make_step` are the caller's to discard.
+      guard: the chosen ops watch each bucket's compression error and send a bucket
+        that loses almost everything in fp16 (`CompressedAllReduce`'s `guard`), unless
+        they exchange in two phases. The trials time them so; the cost model prices
+        them without it (8 bytes per bucket, riding on a round, and a few scalar ops).
       install: make the strategy use the result.
       **ops_kwargs: further `CompressedAllReduce` arguments (e.g. `timeout_seconds`).
 
@@ -314,6 +322,8 @@ def autotune(strategy: tf.distribute.Strategy, weights, *, compute: float | Call
         raise ValueError(f"runoff must be a fraction >= 0, got {runoff!r}")
     if make_step is not None and not callable(make_step):
         raise ValueError(f"make_step must build a step function, got {make_step!r}")
+    if not isinstance(guard, bool):
+        raise ValueError(f"guard must be True or False, got {guard!r}")
     names = list(compressors) if compressors is not None else candidates(accuracy)
     for n in names:
         compression.get(n)                     # a clear error for an unknown name
@@ -343,16 +353,17 @@ def autotune(strategy: tf.distribute.Strategy, weights, *, compute: float | Call
     codecs = measured[len(probe) + 1:]
     throughput, calls = dict(zip(priced, codecs[0::2])), dict(zip(priced, codecs[1::2]))
     link = fit_link(probe_bytes, probe[:-1], workers, probe[-1]) if workers > 1 else Link()
-    decision = decide(specs, workers, link, compute_s, names, throughput, bucket_sizes, overlap,
-                      call_s=calls)
+    decision = dataclasses.replace(
+        decide(specs, workers, link, compute_s, names, throughput, bucket_sizes, overlap,
+               call_s=calls), guard=guard)
     if trials > 1 and workers > 1:
         decision = _try(strategy, specs, decision, trials, trial_steps, current, ops_kwargs,
                         make_step, weights, runoff)
     ops = decision.ops(**ops_kwargs)
     ops.decision = decision
-    logging.info("tf_gradsync.autotune: %s, exchange %s, bucket_bytes %d: predicted %.4g s per "
-                 "step, %.2fx uncompressed (link %.3g us, %.4g Gbit/s, all-to-all rounds %.3g "
-                 "us; compute %.4g s; %d replicas)", decision.compressor, decision.exchange,
+    logging.info("tf_gradsync.autotune: %r, exchange %s, bucket_bytes %d: predicted %.4g s "
+                 "per step, %.2fx uncompressed (link %.3g us, %.4g Gbit/s, all-to-all rounds "
+                 "%.3g us; compute %.4g s; %d replicas)", ops.compressor, decision.exchange,
                  decision.bucket_bytes, decision.predicted_step_s, decision.predicted_speedup,
                  link.latency_s * 1e6, link.bytes_per_s * 8e-9, link.round_seconds * 1e6,
                  compute_s, workers)

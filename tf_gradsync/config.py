@@ -106,6 +106,10 @@ def check_settings(*, error_feedback=None, bucket_bytes=DEFAULT_BUCKET_BYTES, al
                         ("jit_compile", jit_compile)):
         if not isinstance(value, bool):
             raise ValueError(f"{name} must be True or False, got {value!r}")
+    if guard and exchange == "two_phase":
+        raise ValueError("guard=True watches each bucket's error whole, but "
+                         "exchange='two_phase' cuts buckets into chunks; use exchange='auto' "
+                         "or 'gather' with the guard, or guard=False")
 
 
 def parse_config(source: str | os.PathLike | Mapping[str, Any]) -> SyncConfig:

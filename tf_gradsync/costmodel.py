@@ -81,7 +81,7 @@ class BucketPayload:
 
 def bucket_rounds(compressor: Compressor, layout: Layout) -> tuple[tuple[str, int], ...]:
     """Each round's transport and payload bytes for a bucket of `layout`, in the
-    compressor's last mode (its steady state), from the tensors it builds (in a
+    compressor's steady mode (`Compressor.steady_mode`), from the tensors it builds (in a
     scratch graph, run never)."""
     out = []
 
@@ -94,7 +94,7 @@ def bucket_rounds(compressor: Compressor, layout: Layout) -> tuple[tuple[str, in
                  for k, s in compressor.state_spec(layout).items()}
         driver.run_mode(compressor, [tf.zeros([layout.numel], layout.dtype)],
                         [Context(state=state, layout=layout)], exchange,
-                        mode=compressor.num_modes - 1)
+                        mode=compressor.steady_mode())
     return tuple(out)
 
 

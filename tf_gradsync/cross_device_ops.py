@@ -53,7 +53,8 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
       guard: watch each bucket's compression error and send a bucket in fp16 while
         its mean over a window stays above 0.99, returning when it would fall
         (`tf_gradsync.compression.Guard`; identical on every worker). Not applied
-        to lossless compressors.
+        to lossless compressors. It needs buckets whole: gathered payloads travel
+        whole ("auto" gathers), and `exchange="two_phase"` is refused.
       jit_compile: compile the compressors' decodings (unpacking codes, summing the
         gathered payloads, the error feedback's new residual) and the compress of
         sign, onebit and int8 with XLA into fused loops, where they declare it

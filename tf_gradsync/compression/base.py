@@ -443,6 +443,11 @@ class Compressor(abc.ABC):
         """Bytes of `payload`, from the tensors themselves."""
         return nbytes(payload)
 
+    def steady_mode(self) -> int:
+        """The mode of this compressor's steady state, past its warm-ups: the one the
+        cost model prices. The last mode by default."""
+        return self.num_modes - 1
+
     def mode(self, ctx: Context) -> tf.Tensor | None:
         """This step's mode (int32 scalar tensor in [0, num_modes)), None with one mode.
 
@@ -669,6 +674,10 @@ class Wrapper(Compressor):
 
     def rms_step(self) -> float:
         return self.inner.rms_step()
+
+    def steady_mode(self) -> int:
+        # The inner compressor's modes come last (a warm-up's dense mode before them).
+        return self.num_modes - self.inner.num_modes + self.inner.steady_mode()
 
     def sparse_values_dtype(self, dtype: tf.DType) -> tf.DType | None:
         return self.inner.sparse_values_dtype(dtype)

@@ -10,7 +10,7 @@ from typing import Any
 import tensorflow as tf
 
 from tf_gradsync.compression import _util
-from tf_gradsync.compression.base import (SUM, Compressor, Context, Layout, Message,
+from tf_gradsync.compression.base import (GATHER, SUM, Compressor, Context, Layout, Message,
                                           OptimizerAdvice, Rounds, StateSpec, get)
 
 _INNER, _FALLBACK = "inner_", "fallback_"
@@ -24,17 +24,22 @@ class Guard(Compressor):
     """Sends a bucket with `inner`, or with `fallback` while `inner` loses too much.
 
     Each step every replica measures the relative compression error of its bucket,
-    ||x - C(x)|| / ||x|| (what `stats()["comm_error"]` reports), and the squared
-    error and norm are summed over every replica in one extra 8-byte all-reduce, so
-    every replica and worker sees the same pooled error and takes the same decision.
-    At the end of each `window` of steps, a bucket whose mean pooled error exceeded
-    `bound` switches to `fallback`; while it is there, each replica also measures what
-    `inner`'s codec would lose on its bucket (without sending it), and the bucket
-    returns to `inner`, with its state (residuals) reset, once that mean falls to
-    `bound` or below. Non-finite steps are left out of the means.
+    ||x - C(x)|| / ||x|| (what `stats()["comm_error"]` reports). The squared error and
+    norm ride, 8 bytes, on the next step's first round and are summed over every
+    replica there, so every replica and worker sees the same pooled error and takes
+    the same decision without a round of their own (a collective's latency per
+    bucket and step), one step late. At the end of each `window` of pooled steps, a
+    bucket whose mean pooled error exceeded `bound` switches to `fallback`; while it
+    is there, each replica also measures what `inner` would lose on its bucket: a
+    single-round codec encodes without sending, a compressor of several rounds
+    (PowerSGD, whose second round needs the first's sum) runs its rounds in full,
+    its result unused. The bucket returns to `inner`, with its state (residuals)
+    reset, once that mean falls to `bound` or below. Non-finite steps are left out of
+    the means.
 
     State per bucket and replica: `inner`'s and `fallback`'s (prefixed `inner_`,
-    `fallback_`), the window's error sum and step count, and the level (0: inner).
+    `fallback_`), the last step's error terms (`terms`), the window's error sum and
+    step count, and the level (0: inner).
 
     Args:
       inner: the compressor to guard (a name or instance, e.g. wrapped in
@@ -62,9 +67,8 @@ class Guard(Compressor):
         _util.check_number("bound", bound, 0, 1, low_open=True)
         _util.check_number("window", window, 1, integer=True)
         self.inner, self.fallback = get(inner), get(fallback)
-        if type(self.inner.codec()).compress is Compressor.compress:
-            raise ValueError(f"Guard needs an inner compressor with a single-round codec (it "
-                             f"keeps encoding while it falls back), got {self.inner!r}")
+        # Encoding alone gives the error of a single-round codec; others run in full.
+        self._encodes = type(self.inner.codec()).compress is not Compressor.compress
         self.bound, self.window = bound, window
         self.num_modes = self.inner.num_modes + self.fallback.num_modes
         self.summable = self.inner.summable
@@ -90,6 +94,10 @@ class Guard(Compressor):
     def rms_step(self) -> float:
         return self.inner.rms_step()
 
+    def steady_mode(self) -> int:
+        """The inner compressor's: the fallback is the exception."""
+        return self.inner.steady_mode()
+
     def _optimizer_changes(self, optimizer: Any) -> tuple[float, dict]:
         """The learning-rate scale only: the momentum stays, since the guard may send
         its buckets dense, where the optimizer needs it (without it, a CNN guarded
@@ -100,10 +108,12 @@ class Guard(Compressor):
         return self.inner.sparse_values_dtype(dtype)
 
     def state_spec(self, layout: Layout) -> dict[str, StateSpec]:
-        """Both compressors' state, `error_sum`, `count` and `level` (0: inner)."""
+        """Both compressors' state, `terms` (this replica's last squared error and
+        norm), `error_sum`, `count` and `level` (0: inner)."""
         spec = {_INNER + k: s for k, s in self.inner.state_spec(layout).items()}
         spec.update({_FALLBACK + k: s for k, s in self.fallback.state_spec(layout).items()})
-        spec.update({"error_sum": StateSpec((), tf.float32), "count": StateSpec((), tf.int64),
+        spec.update({"terms": StateSpec((2,), tf.float32),
+                     "error_sum": StateSpec((), tf.float32), "count": StateSpec((), tf.int64),
                      "level": StateSpec((), tf.int32, _zero_int)})
         return spec
 
@@ -122,9 +132,10 @@ class Guard(Compressor):
 
     def rounds(self, x: tf.Tensor, ctx: Context) -> Rounds:
         on_inner = ctx.mode < self.inner.num_modes
+        last = ctx.state["terms"].read_value()
         if on_inner:
             sub = self._sub(ctx, _INNER, ctx.mode)
-            reduced = yield from self.inner.rounds(x, sub)
+            reduced, pooled = yield from _carrying(self.inner.rounds(x, sub), last)
             terms = sub.errors
         else:
             sub = self._sub(ctx, _FALLBACK, ctx.mode - self.inner.num_modes)
@@ -132,24 +143,29 @@ class Guard(Compressor):
             # The fallback may need its input divided by the replica count (fp16's
             # range); the guard as a whole does not prescale.
             scale = 1.0 / n if self.fallback.prescale and n > 1 else 1.0
-            reduced = yield from self.fallback.rounds(x * tf.cast(scale, x.dtype), sub)
+            reduced, pooled = yield from _carrying(
+                self.fallback.rounds(x * tf.cast(scale, x.dtype), sub), last)
             reduced = reduced / tf.cast(scale, reduced.dtype)
-            # The inner compressor keeps encoding (its memory advancing as if it sent),
-            # sent nowhere: what it would lose now, on the same footing as before.
-            shadow = self._sub(ctx, _INNER, self.inner.num_modes - 1)
-            self.inner.encode(x, shadow)
+            # The inner compressor keeps encoding (its memory advancing as if it sent):
+            # what it would lose now, on the same footing as before.
+            shadow = self._sub(ctx, _INNER, self.inner.steady_mode())
+            if self._encodes:
+                self.inner.encode(x, shadow)
+            else:
+                yield from self.inner.rounds(x, shadow)
             terms = shadow.errors
         if ctx.errors is not None:
             ctx.errors.extend(sub.errors)
         err = tf.add_n([tf.cast(e, tf.float32) for e, _ in terms]) if terms else tf.zeros([])
         norm = tf.add_n([tf.cast(v, tf.float32) for _, v in terms]) if terms else tf.zeros([])
-        (pooled,) = yield Message((tf.stack([err, norm]),), SUM)
+        ctx.state["terms"].assign(tf.stack([err, norm]))
         self._decide(pooled, ctx, on_inner, ctx.layout_of(x))
         return reduced
 
     def _decide(self, pooled: tf.Tensor, ctx: Context, on_inner: bool, layout: Layout) -> None:
         s = ctx.state
-        finite = tf.reduce_all(tf.math.is_finite(pooled))
+        # Left out: non-finite steps, and the first step's (no step before it to pool).
+        finite = tf.reduce_all(tf.math.is_finite(pooled)) & (pooled[1] > 0)
         relative = tf.sqrt(tf.math.divide_no_nan(pooled[0], pooled[1]))
         total = s["error_sum"] + tf.where(finite, relative, 0.0)
         count = s["count"] + tf.cast(finite, tf.int64)
@@ -171,3 +187,25 @@ class Guard(Compressor):
     def __repr__(self) -> str:
         return (f"Guard({self.inner!r}, fallback={self.fallback!r}, bound={self.bound}, "
                 f"window={self.window})")
+
+
+def _carrying(rounds: Rounds, terms: tf.Tensor):
+    """Drives `rounds` with `terms` riding on its first message. Returns its result and
+    `terms` summed over the replicas."""
+    message = next(rounds)
+    if message.transport not in (SUM, GATHER):
+        raise ValueError(f"Guard pools its error on a summed or gathered round, not on "
+                         f"{message.transport!r}")
+    like = message.like and tuple((*spec, tf.TensorSpec(terms.shape, terms.dtype))
+                                  for spec in message.like)
+    received = yield Message((*message.payload, terms), message.transport, like)
+    if message.transport == SUM:
+        received, pooled = tuple(received[:-1]), received[-1]
+    else:
+        received, pooled = [tuple(p[:-1]) for p in received], tf.add_n([p[-1] for p in received])
+    while True:
+        try:
+            message = rounds.send(received)
+        except StopIteration as stop:
+            return stop.value, pooled
+        received = yield message
