@@ -166,16 +166,18 @@ def test_autotune_measures_installs_and_trains(devices):
     assert (d.compressor, d.exchange, d.bucket_bytes) == fastest[:3]
     assert d.measured_step_s == fastest[4] and d.predicted_step_s == fastest[3]
     assert ops.stats()["steps"] == 0          # a fresh ops, not a trial's past warm-up
-    # The pick watches its compression error, unless lossless or in two phases (where
-    # no replica holds a whole bucket); `guard=False` opts out.
+    # By default a pick of the aggressive class watches its compression error, unless
+    # it exchanges in two phases (where no replica holds a whole bucket).
     guarded = d.compressor == "topk" and d.exchange != "two_phase"
-    assert (ops.compressor.name == "guard") == guarded and d.guard
-    assert dataclasses.replace(d, compressor="topk", exchange="gather").ops().compressor.name \
-        == "guard"
-    assert dataclasses.replace(d, compressor="topk", exchange="two_phase").ops().compressor \
-        .name == "error_feedback"
-    assert dataclasses.replace(d, compressor="topk", exchange="gather", guard=False).ops() \
-        .compressor.name == "error_feedback"
+    assert (ops.compressor.name == "guard") == guarded and d.guard is None
+
+    def compressor(name, exchange, guard):
+        return dataclasses.replace(d, compressor=name, exchange=exchange, guard=guard).ops() \
+            .compressor.name
+    assert compressor("topk", "gather", None) == compressor("powersgd", "ring", True) == "guard"
+    assert compressor("powersgd", "ring", None) == "powersgd"
+    assert compressor("topk", "two_phase", True) == compressor("topk", "gather", False) \
+        == "error_feedback"
     # The installed ops serve the strategy's gradient reduction.
     x = tf.random.stateless_normal([8, 32], (1, 2))
     with strategy.scope():
@@ -332,7 +334,7 @@ def test_autotune_refuses_bad_input(devices):
         gs.autotune(strategy, weights, compute=0.1, runoff=-0.1)
     with pytest.raises(ValueError, match="unknown compressor 'zip'"):
         gs.autotune(strategy, weights, compute=0.1, compressors=["zip"])
-    with pytest.raises(ValueError, match="guard must be True or False, got 1"):
+    with pytest.raises(ValueError, match="guard must be True, False or None, got 1"):
         gs.autotune(strategy, weights, compute=0.1, guard=1)
     busy = tf.distribute.MirroredStrategy(devices, cross_device_ops=gs.CompressedAllReduce("fp16"))
     with pytest.raises(ValueError, match="already uses CompressedAllReduce"):
