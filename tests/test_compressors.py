@@ -790,6 +790,16 @@ def test_advice_matches_what_adapt_optimizer_does():
     assert plain.adapt_optimizer(sgdm).get_config()["momentum"] == 0.0
     with pytest.warns(C.OptimizerAdvice, match="momentum=0.0"):
         plain.check_optimizer(sgdm)
+    # Guarding dgc keeps only what dgc cannot train without: SGD's momentum goes (dgc
+    # applies its own), at the same rate.
+    guarded = C.Guard(C.get("dgc"))
+    with pytest.raises(ValueError, match="dgc applies momentum 0.9 itself"):
+        guarded.check_optimizer(sgdm)
+    config = guarded.adapt_optimizer(sgdm).get_config()
+    assert config["momentum"] == 0.0 and config["learning_rate"] == pytest.approx(0.05)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        guarded.check_optimizer(guarded.adapt_optimizer(sgdm))
 
 
 _ADAM_STEPS, _ADAM_N = 300, 2000

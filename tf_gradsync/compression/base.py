@@ -587,6 +587,12 @@ class Compressor(abc.ABC):
         setattr(adapted, _ADAPTED, True)
         return adapted
 
+    def required_optimizer_changes(self, optimizer: Any) -> dict:
+        """The config changes to `optimizer` without which `check_optimizer` refuses it
+        (none by default): what even a wrapper that keeps the optimizer otherwise as
+        it is (the guard) must make."""
+        return {}
+
     def _optimizer_changes(self, optimizer: Any) -> tuple[float, dict]:
         """`adapt_optimizer`'s learning-rate factor and config changes for `optimizer`."""
         factor = self.learning_rate_scale(optimizer)
@@ -668,6 +674,9 @@ class Wrapper(Compressor):
 
     def _optimizer_changes(self, optimizer: Any) -> tuple[float, dict]:
         return self.inner._optimizer_changes(optimizer)  # pylint: disable=protected-access
+
+    def required_optimizer_changes(self, optimizer: Any) -> dict:
+        return self.inner.required_optimizer_changes(optimizer)
 
     def send_interval(self) -> float:
         return self.inner.send_interval()

@@ -125,22 +125,27 @@ class DGC(_sparse.SparseDecoding, Compressor):
                 "accumulation, no momentum correction)")
         super().check_optimizer(optimizer)
 
+    def required_optimizer_changes(self, optimizer: Any) -> dict:
+        """While DGC applies momentum, SGD's or RMSprop's own goes (`momentum`,
+        `nesterov`): DGC's momentum correction is the momentum SGD would have
+        applied. Adam's first moment cannot go this way (`check_optimizer` refuses
+        it)."""
+        name, momentum = optimizer_momentum(optimizer)
+        if self.momentum == 0 or name != "momentum" or not momentum:
+            return {}
+        nesterov = optimizer_config(optimizer).get("nesterov")
+        return {"momentum": 0.0, **({"nesterov": False} if nesterov else {})}
+
     def _optimizer_changes(self, optimizer: Any) -> tuple[float, dict]:
-        """While DGC applies momentum, the optimizer's own goes (SGD's or RMSprop's
-        `momentum`, `nesterov`), at the same learning rate: DGC's momentum correction
-        is the momentum SGD would have applied. Adam's first moment stays (and
-        `check_optimizer` refuses it): what a sparsifier would take from Adam DGC
-        brings back itself. Measured with Adam at beta_1 0 and 3.16x its rate: the
-        digits MLP ended 3.9 points below uncompressed training, noisy (the CNN 1.4
-        above). With `momentum=0` DGC is a sparsifier like top-k and adapts the
-        optimizer as it does."""
+        """While DGC applies momentum, its `required_optimizer_changes` at the same
+        learning rate. Adam's first moment stays (and `check_optimizer` refuses it):
+        what a sparsifier would take from Adam DGC brings back itself. Measured with
+        Adam at beta_1 0 and 3.16x its rate: the digits MLP ended 3.9 points below
+        uncompressed training, noisy (the CNN 1.4 above). With `momentum=0` DGC is a
+        sparsifier like top-k and adapts the optimizer as it does."""
         if self.momentum == 0:
             return super()._optimizer_changes(optimizer)
-        name, momentum = optimizer_momentum(optimizer)
-        if name != "momentum" or not momentum:
-            return 1.0, {}
-        nesterov = optimizer_config(optimizer).get("nesterov")
-        return 1.0, {"momentum": 0.0, **({"nesterov": False} if nesterov else {})}
+        return 1.0, self.required_optimizer_changes(optimizer)
 
     def send_interval(self) -> float:
         return _selection.magnitude_send_interval(self.ratio)

@@ -99,10 +99,13 @@ class Guard(Compressor):
         return self.inner.steady_mode()
 
     def _optimizer_changes(self, optimizer: Any) -> tuple[float, dict]:
-        """The learning-rate scale only: the momentum stays, since the guard may send
-        its buckets dense, where the optimizer needs it (without it, a CNN guarded
-        from a far too aggressive top-k ended 5 points below uncompressed training)."""
-        return self.learning_rate_scale(optimizer), {}
+        """The learning-rate scale, and only the changes the inner compressor cannot
+        train without (DGC's momentum, which it applies itself: a bucket the guard
+        sends in fp16 then trains without momentum). The momentum stays otherwise, since the guard may send its buckets dense, where the optimizer
+        needs it (without it, a CNN guarded from a far too aggressive top-k ended 5
+        points below uncompressed training)."""
+        return (self.learning_rate_scale(optimizer),
+                self.inner.required_optimizer_changes(optimizer))
 
     def sparse_values_dtype(self, dtype: tf.DType) -> tf.DType | None:
         return self.inner.sparse_values_dtype(dtype)
