@@ -304,7 +304,7 @@ def autotune(strategy: tf.distribute.Strategy, weights, *, compute: float | Call
         accuracy at settings users reach for. The others stay within about a point
         of uncompressed training, and their error can approach the guard's bound in
         healthy training: PowerSGD's on the digits residual network under SGD with
-        momentum rose to 0.995 by its 13th epoch, at 0.997 test accuracy, and the
+        momentum rose to 0.995 by its 14th epoch, at 0.997 test accuracy, and the
         guard would have sent it in fp16 from there. The trials time the ops as
         chosen; the cost model prices them unguarded (the guard adds 8 bytes per
         bucket, riding on a round, and a few scalar ops).
