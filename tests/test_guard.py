@@ -66,15 +66,11 @@ def test_the_inner_memory_advances_while_the_fallback_sends():
     its residual is the one error feedback alone would hold on the same inputs, so
     its measured error does not restart from an empty memory."""
     guard, alone = Guard(_topk(), window=2), _topk()
-    state = {k: tf.Variable(s.initializer(s.shape, s.dtype))
-             for k, s in guard.state_spec(LAYOUT).items()}
-    ref = {k: tf.Variable(s.initializer(s.shape, s.dtype))
-           for k, s in alone.state_spec(LAYOUT).items()}
+    (state,), (ref,) = _states(guard, LAYOUT, 1), _states(alone, LAYOUT, 1)
     for step in range(6):
         x = tf.random.stateless_normal([1000], (step, 4))
         for c, st in ((guard, state), (alone, ref)):
-            ctx = gs.compression.Context(state=st, step=step, seed=(step, 0), layout=LAYOUT)
-            driver.run(c, [x], [ctx], lambda m: driver.local_exchange(m))
+            _reduce(c, [st], [x], step)
     assert int(state["level"].numpy()) == 1
     np.testing.assert_array_equal(state["inner_residual"].numpy(), ref["residual"].numpy())
 
