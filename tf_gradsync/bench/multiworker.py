@@ -155,7 +155,7 @@ def worker(mode: str, params: int, steps: int, batch: int, ifname: str | None = 
         decision = {"compressor": d.compressor, "exchange": d.exchange,
                     "bucket_bytes": d.bucket_bytes, "predicted_step_s": d.predicted_step_s,
                     "measured_step_s": d.measured_step_s, "trials": d.trials,
-                    "runoff": d.runoff}
+                    "runoff": d.runoff, "ops": repr(ops.compressor)}   # guarded or not
     if ops is not None:     # every row times its steady state, past any warm-up
         ops.start_at_step(costmodel.STEADY_STEP)
     net, step = work.model, work.train_step(strategy, _optimizer(strategy, ops))
