@@ -218,8 +218,8 @@ class PowerSGD(Compressor):
             ps = ctx.stage(fold, x)
             ms = [m.read_value() for m in kept]
         else:
-            ps = ctx.stage(lambda x: products([gradient(x, a) for a in plan.matrices]), x)
             ms = [gradient(x, a) for a in plan.matrices]
+            ps = ctx.stage(products, ms)
         payload = (_concat(ps),)
         if plan.dense:
             payload += (_concat([x[o:o + s] for o, s in plan.dense]),)
