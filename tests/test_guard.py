@@ -7,7 +7,9 @@ import tensorflow as tf
 
 import tf_gradsync as gs
 from tf_gradsync import costmodel
-from tf_gradsync.compression import ErrorFeedback, Guard, Layout, driver, get
+from tf_gradsync.compression import ErrorFeedback, Guard, Layout, get
+
+from _compress import make_state, reduce
 
 LAYOUT = Layout(((100, 10),))
 
@@ -23,15 +25,10 @@ def _topk():
     return ErrorFeedback(get("topk", ratio=0.001))
 
 
-def _states(compressor, layout, n):
-    return [{k: tf.Variable(s.initializer(s.shape, s.dtype))
-             for k, s in compressor.state_spec(layout).items()} for _ in range(n)]
-
-
-def _reduce(compressor, states, xs, step, layout=LAYOUT):
-    ctxs = [gs.compression.Context(state=st, step=step, seed=(step, 0), num_replicas=len(xs),
-                                   replica=r, layout=layout) for r, st in enumerate(states)]
-    return driver.run(compressor, xs, ctxs, lambda m: driver.local_exchange(m))
+def _run(compressor, states, xs, step):
+    """One reduction of `xs` through the driver (`_compress.reduce`), errors unmeasured."""
+    return reduce(compressor, xs, states, shapes=LAYOUT.shapes, step=step, seed=(step, 0),
+                  measure_error=False)
 
 
 def test_falls_back_after_a_lossy_window_and_returns_when_the_inner_one_would_not_lose():
@@ -66,11 +63,11 @@ def test_the_inner_memory_advances_while_the_fallback_sends():
     its residual is the one error feedback alone would hold on the same inputs, so
     its measured error does not restart from an empty memory."""
     guard, alone = Guard(_topk(), window=2), _topk()
-    (state,), (ref,) = _states(guard, LAYOUT, 1), _states(alone, LAYOUT, 1)
+    state, ref = make_state(guard, LAYOUT), make_state(alone, LAYOUT)
     for step in range(6):
         x = tf.random.stateless_normal([1000], (step, 4))
         for c, st in ((guard, state), (alone, ref)):
-            _reduce(c, [st], [x], step)
+            _run(c, [st], [x], step)
     assert int(state["level"].numpy()) == 1
     np.testing.assert_array_equal(state["inner_residual"].numpy(), ref["residual"].numpy())
 
@@ -88,12 +85,12 @@ def test_replicas_decide_on_the_pooled_error(devices):
     pooled error and all of them switch on the same step."""
     guard = Guard(_topk(), bound=0.3, window=2)
     n = len(devices)
-    state = _states(guard, LAYOUT, n)
+    state = [make_state(guard, LAYOUT) for _ in range(n)]
     levels = []
     for step in range(4):
         xs = [tf.random.stateless_normal([1000], (step, 9)) * 10 if r == 0 else _sparse(step)
               for r in range(n)]
-        _reduce(guard, state, xs, step)
+        _run(guard, state, xs, step)
         levels.append([int(s["level"].numpy()) for s in state])
     # Step 0's error is pooled on step 1, and the window of two ends on step 2.
     assert levels == [[0] * n, [0] * n, [1] * n, [1] * n]
@@ -107,20 +104,20 @@ def test_guards_a_compressor_of_several_rounds(devices):
     n = len(devices)
     guard, alone = Guard(get("powersgd", rank=1, start_iter=0), bound=0.5, window=2), \
         get("powersgd", rank=1, start_iter=0)
-    states, ref = _states(guard, LAYOUT, n), _states(alone, LAYOUT, n)
+    states, ref = ([make_state(c, LAYOUT) for _ in range(n)] for c in (guard, alone))
     fp16 = 2 * (n - 1) * (2 * 1000 + 8)          # local_exchange's count for a sum
     for step in range(5):
         xs = [tf.random.stateless_normal([1000], (step, r)) for r in range(n)]
-        got, want = _reduce(guard, states, xs, step), _reduce(alone, ref, xs, step)
+        got, want = _run(guard, states, xs, step), _run(alone, ref, xs, step)
         levels = [int(s["level"].numpy()) for s in states]
         if step < 3:                              # the window of two pooled steps ends
             for g, w in zip(got.results, want.results):
                 np.testing.assert_array_equal(g.numpy(), w.numpy())
-            assert int(got.bytes) == int(want.bytes) + 2 * (n - 1) * 8
+            assert got.sent == want.sent + 2 * (n - 1) * 8
         else:
             np.testing.assert_allclose(got.results[0].numpy(), tf.add_n(xs).numpy(),
                                        rtol=2e-3, atol=2e-3)
-            assert int(got.bytes) == int(want.bytes) + fp16
+            assert got.sent == want.sent + fp16
         assert levels == [int(step >= 2)] * n
         for st, rf in zip(states, ref):
             for k, v in rf.items():
@@ -133,14 +130,14 @@ def test_a_compressor_of_several_rounds_returns_when_it_would_not_lose(devices):
     n = len(devices)
     guard = Guard(get("powersgd", rank=1, start_iter=0, error_feedback=False), bound=0.6,
                   window=2)
-    states = _states(guard, LAYOUT, n)
+    states = [make_state(guard, LAYOUT) for _ in range(n)]
     u, v = np.arange(1, 101, dtype=np.float32), np.linspace(-1, 1, 10, dtype=np.float32)
     rank1 = [tf.constant(np.outer(u, v).ravel() * (r + 1)) for r in range(n)]
     levels = []
     for step in range(6):
         xs = ([tf.random.stateless_normal([1000], (step, r)) for r in range(n)]
               if step < 3 else rank1)
-        out = _reduce(guard, states, xs, step)
+        out = _run(guard, states, xs, step)
         levels.append(int(states[0]["level"].numpy()))
     # Back after step 4: its window pooled step 2's noise and step 3's exact shadow.
     assert levels == [0, 0, 1, 1, 0, 0]
