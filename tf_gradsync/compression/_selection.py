@@ -141,7 +141,11 @@ def _top_of_candidates(cand: tf.Tensor, values: tf.Tensor, k: int, bins: int = 1
     scale = bins / (tf.reduce_max(mag) - lo)
     # Equal (or infinite) magnitudes: one bin, everything ranked.
     scale = tf.where(tf.math.is_finite(scale), scale, tf.zeros([], scale.dtype))
-    b = tf.cast(tf.minimum((mag - lo) * scale, bins - 1), tf.int32)
+    # A NaN or infinite magnitude (a non-finite bucket, which the caller sends as NaN)
+    # goes to the top bin: cast to an integer, its NaN position would be out of range.
+    pos = (mag - lo) * scale
+    b = tf.cast(tf.where(tf.math.is_nan(pos), tf.constant(bins - 1, pos.dtype),
+                         tf.minimum(pos, bins - 1)), tf.int32)
     counts = tf.math.bincount(b, minlength=bins, maxlength=bins)
     from_top = tf.cumsum(counts, reverse=True)      # candidates in this bin or above
     cut = tf.reduce_sum(tf.cast(from_top >= k, tf.int32)) - 1
