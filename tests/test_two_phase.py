@@ -14,7 +14,7 @@ import tf_gradsync as gs
 from tf_gradsync import algorithms, costmodel
 from tf_gradsync import compression as C
 from tf_gradsync.algorithms.pairwise import tournament
-from tf_gradsync.compression import two_phase
+from tf_gradsync.compression import _selection, two_phase
 from _compress import make_state, reduce
 from test_compressors import _topk_model
 from test_cross_device_ops import _crossing_edges
@@ -134,6 +134,29 @@ def test_every_gathered_compressor_conserves_mass_and_agrees(name):
         np.testing.assert_allclose(got.results[0].numpy().astype(np.float64) + left, mass,
                                    rtol=1e-4, atol=1e-4 * np.abs(mass).max())
         mass = left
+
+
+@pytest.mark.parametrize("name", GATHERED)
+def test_bfloat16_buckets_with_sampled_selections(name):
+    """A bfloat16 bucket whose chunks are long enough for the sampled selections
+    (`_selection.LARGE`): the owner re-encodes its summed chunk in bfloat16, and every
+    compressor then sends what the same bucket in float32 sends, to bfloat16's
+    rounding (a bin position rounded in bfloat16 once lost candidates there)."""
+    shapes = ((3 * _selection.LARGE,), (40,))
+    n = 2
+    c = gs.CompressedAllReduce(name).compressor
+    rng = np.random.default_rng(3)
+    xs = [rng.standard_normal(sum(s[0] for s in shapes)) for _ in range(n)]
+    errors = {}
+    for dtype in (tf.bfloat16, tf.float32):
+        got = reduce(c, [tf.constant(x, dtype) for x in xs], shapes=shapes, two_phases=True)
+        y = got.results[0].numpy().astype(np.float64)
+        for r in range(1, n):
+            np.testing.assert_array_equal(got.results[r].numpy(), got.results[0].numpy())
+        assert got.results[0].dtype == dtype and np.isfinite(y).all()
+        ref = sum(np.asarray(tf.cast(tf.constant(x, dtype), tf.float64)) for x in xs)
+        errors[dtype.name] = np.linalg.norm(y - ref) / np.linalg.norm(ref)
+    assert errors["bfloat16"] <= errors["float32"] + 0.02, errors
 
 
 @pytest.mark.parametrize("shapes", [((64, 10),), SHAPES], ids=["alike", "mixed"])
