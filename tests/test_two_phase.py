@@ -141,7 +141,7 @@ def test_bfloat16_buckets_with_sampled_selections(name):
     """A bfloat16 bucket whose chunks are long enough for the sampled selections
     (`_selection.LARGE`): the owner re-encodes its summed chunk in bfloat16, and every
     compressor then sends what the same bucket in float32 sends, to bfloat16's
-    rounding (a bin position rounded in bfloat16 once lost candidates there)."""
+    rounding (a bin position rounded in bfloat16 can pass the last bin)."""
     shapes = ((3 * _selection.LARGE,), (40,))
     n = 2
     c = gs.CompressedAllReduce(name).compressor
@@ -157,6 +157,33 @@ def test_bfloat16_buckets_with_sampled_selections(name):
         ref = sum(np.asarray(tf.cast(tf.constant(x, dtype), tf.float64)) for x in xs)
         errors[dtype.name] = np.linalg.norm(y - ref) / np.linalg.norm(ref)
     assert errors["bfloat16"] <= errors["float32"] + 0.02, errors
+
+
+@pytest.mark.parametrize("name", GATHERED)
+def test_non_finite_entry_reaches_every_replica(name):
+    """A NaN on one member, in a chunk long enough for the sampled selections: every
+    replica's result is not finite (as a plain all-reduce's, so that a loss scaler
+    skips the step), no state keeps it, and the next step is finite again (a NaN's
+    magnitude cuts no candidates, so a selection alone can drop it)."""
+    shapes = ((3 * _selection.LARGE,), (40,))
+    layout = C.Layout(shapes)
+    members = 2
+    c = gs.CompressedAllReduce(name).compressor
+    states = [make_state(c, layout, two_phase.split(layout, members, r)) for r in range(members)]
+    rng = np.random.default_rng(5)
+    xs = rng.standard_normal((members, layout.numel))
+    xs[1, layout.numel // 2] = np.nan
+    got = reduce(c, [tf.constant(x, tf.float32) for x in xs], states, shapes=shapes,
+                 two_phases=True)
+    for y in got.results:
+        assert not np.isfinite(y.numpy()).all()
+    for state in states:
+        for key, value in state.items():
+            assert np.isfinite(value.numpy()).all(), key
+    xs = rng.standard_normal((members, layout.numel))
+    got = reduce(c, [tf.constant(x, tf.float32) for x in xs], states, shapes=shapes,
+                 two_phases=True, step=1)
+    assert np.isfinite(got.results[0].numpy()).all()
 
 
 @pytest.mark.parametrize("shapes", [((64, 10),), SHAPES], ids=["alike", "mixed"])

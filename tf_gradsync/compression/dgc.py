@@ -228,4 +228,6 @@ class _Selection(_sparse.SparseDecoding, Compressor):
     def compress(self, x: tf.Tensor, ctx: Context):
         seg = _segments.Segments.of(ctx.layout_of(x))
         values, idx, _ = self.dgc._select(x, seg, ctx, x.dtype)  # pylint: disable=protected-access
-        return (values, idx), (seg.numel, x.dtype)
+        # A NaN's magnitude cuts no candidates, so the selection alone can drop it: a
+        # non-finite chunk is sent as NaN, as DGC's own payload is.
+        return (values + tf.cast(_util.poison(x), x.dtype), idx), (seg.numel, x.dtype)
