@@ -1,6 +1,11 @@
 """A NaN/Inf gradient on one replica propagates like a stock all-reduce, so Keras'
 mixed-precision loss scaling skips that step, and no state stays poisoned."""
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -65,3 +70,55 @@ def test_nonfinite_gradient_skips_the_step_like_stock(name, data, stock, devices
     assert all(np.isfinite(w).all() for w in model.get_weights())
     for key, value in ops._state.values().items():
         assert np.isfinite(value).all(), key
+
+
+_TF_KERAS_SCRIPT = textwrap.dedent("""
+    import numpy as np
+    import tensorflow as tf
+    import tf_gradsync as gs
+    import tf_keras as keras
+    devices = gs.logical_cpus(2)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((128, 30)).astype("float32")
+    y = (x[:, 0] > 0).astype("int32")
+    inf_on_second = x.copy()
+    inf_on_second[40, 3] = np.inf            # the second replica's half of batch 0
+    beyond_fp16 = x.copy()
+    beyond_fp16[:64] *= 1e7                  # finite, but past fp16's range on the wire
+    for name, data in [("topk", inf_on_second), ("int8", inf_on_second),
+                       ("fp16", inf_on_second), ("fp16", beyond_fp16)]:
+        strategy = tf.distribute.MirroredStrategy(
+            devices, cross_device_ops=gs.CompressedAllReduce(name))
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((30,)), keras.layers.Dense(16),
+                                      keras.layers.Dense(2)])
+            optimizer = keras.mixed_precision.LossScaleOptimizer(keras.optimizers.SGD(0.01))
+            model.compile(optimizer, keras.losses.SparseCategoricalCrossentropy(
+                from_logits=True))
+        before = [w.copy() for w in model.get_weights()]
+        model.fit(data[:64], y[:64], batch_size=64, verbose=0, shuffle=False)
+        skipped = all(np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
+        model.fit(data[64:], y[64:], batch_size=64, verbose=0, shuffle=False)
+        moved = not all(np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
+        finite = all(np.isfinite(w).all() for w in model.get_weights())
+        print("RESULT", name, skipped, moved, finite, float(optimizer.loss_scale))
+""")
+
+
+@pytest.mark.slow
+def test_tf_keras_skips_what_only_another_replica_or_the_wire_makes_non_finite():
+    """tf_keras decides from the reduced gradient: an Inf on the second replica only, or a
+    finite gradient that the fp16 wire overflows, skips that step (the loss scale
+    halves), and the next step trains. Keras 3 decides from the first replica's own
+    gradient before the all-reduce (README)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, TF_USE_LEGACY_KERAS="1", TF_CPP_MIN_LOG_LEVEL="2",
+               PYTHONPATH=root)
+    out = subprocess.run([sys.executable, "-c", _TF_KERAS_SCRIPT], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [line.split()[1:] for line in out.stdout.splitlines() if line.startswith("RESULT")]
+    assert len(rows) == 4, out.stdout
+    for name, skipped, moved, finite, scale in rows:
+        assert (skipped, moved, finite) == ("True", "True", "True"), (name, rows)
+        assert float(scale) < 32768, (name, rows)
