@@ -754,13 +754,46 @@ def test_adapt_optimizer_scales_the_rate_and_drops_the_first_moment():
         ops.adapt_optimizer(tf.keras.optimizers.Adam(schedule))
 
 
+def test_a_loss_scale_wrapper_is_seen_through():
+    """Mixed precision wraps the user's optimizer in a `LossScaleOptimizer`: the checks
+    read the inner one (DGC refuses its momentum, TernGrad clips as for Adam, the scale
+    is Adam's), and `adapt_optimizer` adapts the inner one and wraps it again with the
+    same loss-scale settings."""
+    lso = tf.keras.mixed_precision.LossScaleOptimizer
+    sgdm = lso(tf.keras.optimizers.SGD(0.05, momentum=0.9), initial_scale=1024.0,
+               dynamic_growth_steps=50)
+    with pytest.raises(ValueError, match=r"optimizer SGD applies momentum=0.9 again"):
+        C.get("dgc").check_optimizer(sgdm)
+    tern = C.get("terngrad")
+    tern.check_optimizer(lso(tf.keras.optimizers.Adam(1e-3)))
+    assert tern.bound == tern.rms_clip
+    topk = gs.CompressedAllReduce("topk")
+    assert topk.learning_rate_scale(lso(tf.keras.optimizers.Adam())) == pytest.approx(
+        topk.learning_rate_scale(tf.keras.optimizers.Adam()))
+    for ops, lr in ((gs.CompressedAllReduce("dgc"), 0.05), (topk, 0.5)):
+        adapted = ops.adapt_optimizer(sgdm)
+        assert type(adapted) is lso and adapted is not sgdm
+        assert (adapted.initial_scale, adapted.dynamic_growth_steps) == (1024.0, 50)
+        inner = adapted.inner_optimizer.get_config()
+        assert inner["momentum"] == 0.0 and inner["learning_rate"] == pytest.approx(lr)
+        with warnings.catch_warnings():     # adapted: no advice, no refusal
+            warnings.simplefilter("error")
+            ops.compressor.check_optimizer(adapted)
+            ops.compressor.check_optimizer(lso(adapted.inner_optimizer))
+    assert gs.CompressedAllReduce("int8").adapt_optimizer(sgdm) is sgdm
+
+
 def test_adapt_optimizer_under_tf_keras():
     import subprocess
     import sys
     script = ("import tensorflow as tf, tf_gradsync as gs\n"
               "o = gs.CompressedAllReduce('topk').adapt_optimizer(tf.keras.optimizers.Adam(1e-3))\n"
               "c = o.get_config()\n"
-              "print('RESULT', type(o).__module__, c['learning_rate'], c['beta_1'])\n")
+              "print('RESULT', type(o).__module__, c['learning_rate'], c['beta_1'])\n"
+              "w = tf.keras.mixed_precision.LossScaleOptimizer(tf.keras.optimizers.Adam(1e-3))\n"
+              "a = gs.CompressedAllReduce('topk').adapt_optimizer(w)\n"
+              "i = a.inner_optimizer.get_config()\n"
+              "print('WRAPPED', type(a).__name__, i['learning_rate'], i['beta_1'])\n")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, TF_USE_LEGACY_KERAS="1", TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=root)
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
@@ -770,6 +803,9 @@ def test_adapt_optimizer_under_tf_keras():
     assert module.startswith("tf_keras")
     assert float(lr) == pytest.approx(1e-3 * 100 ** (1 / 3))
     assert float(beta_1) == 0.0
+    _, name, lr, beta_1 = [l for l in out.stdout.splitlines() if l.startswith("WRAPPED")][-1].split()
+    assert name.startswith("LossScaleOptimizer")
+    assert float(lr) == pytest.approx(1e-3 * 100 ** (1 / 3)) and float(beta_1) == 0.0
 
 
 def test_a_sparse_payload_warns_an_adaptive_optimizer():

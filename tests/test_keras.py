@@ -131,6 +131,18 @@ def test_dgc_with_optimizer_momentum_fails_before_the_first_step(devices):
     assert ops.stats()["steps"] == 2 and not unchanged
 
 
+def test_dgc_refuses_the_momentum_inside_mixed_precision_loss_scaling(devices):
+    """Under mixed_float16, Keras 3 wraps the optimizer in a LossScaleOptimizer; DGC's
+    check reads the SGD inside it."""
+    tf.keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        with pytest.raises(ValueError, match=r"dgc applies momentum 0.9 itself.*SGD applies "
+                                             r"momentum=0.9"):
+            _fit_dgc(tf.keras, devices, 0.9)
+    finally:
+        tf.keras.mixed_precision.set_global_policy("float32")
+
+
 def test_dgc_with_optimizer_momentum_fails_under_tf_keras():
     script = textwrap.dedent("""
         import numpy as np

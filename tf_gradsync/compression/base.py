@@ -556,7 +556,9 @@ class Compressor(abc.ABC):
         0.5 above with). Otherwise `optimizer` itself is returned.
 
         Args:
-          optimizer: a Keras optimizer (Keras 3 or tf_keras), or its name.
+          optimizer: a Keras optimizer (Keras 3 or tf_keras), or its name. A
+            `LossScaleOptimizer` (mixed precision) has its inner optimizer adapted
+            and is wrapped again with the same loss-scale settings.
 
         Returns:
           An optimizer of the same class, or `optimizer` when nothing changes.
@@ -572,6 +574,18 @@ class Compressor(abc.ABC):
         """
         if isinstance(optimizer, str):
             optimizer = tf.keras.optimizers.get(optimizer)
+        inner = getattr(optimizer, "inner_optimizer", None)
+        if inner is not None:
+            # A loss-scale wrapper (mixed precision): its inner optimizer adapted and
+            # wrapped again with the same settings.
+            adapted = self.adapt_optimizer(inner)
+            if adapted is inner:
+                return optimizer
+            settings = dict(optimizer.get_config())
+            settings.pop("inner_optimizer")
+            wrapped = type(optimizer)(adapted, **settings)
+            setattr(wrapped, _ADAPTED, True)
+            return wrapped
         factor, changes = self._optimizer_changes(optimizer)
         if factor == 1 and not changes:
             return optimizer
@@ -618,7 +632,8 @@ class Compressor(abc.ABC):
         whether the user's settings already account for the compressor.
         """
         factor, changes = self._optimizer_changes(optimizer)
-        if (factor != 1 or changes) and not getattr(optimizer, _ADAPTED, False):
+        if (factor != 1 or changes) and not getattr(applying_optimizer(optimizer), _ADAPTED,
+                                                    False):
             what = ", ".join([f"{factor:.3g}x the learning rate"] * (factor != 1) +
                              [f"{k}={v}" for k, v in changes.items()])
             k = self.send_interval()
@@ -630,7 +645,8 @@ class Compressor(abc.ABC):
                    "dense gradient under an optimizer dividing by a running root mean "
                    "square: its coarse values raise the mean square the optimizer divides by")
             warnings.warn(OptimizerAdvice(
-                f"{self!r} {why}. With {type(optimizer).__name__} it trains best at {what} "
+                f"{self!r} {why}. With {type(applying_optimizer(optimizer)).__name__} it "
+                f"trains best at {what} "
                 "(CompressedAllReduce.adapt_optimizer(optimizer) rebuilds it so)"),
                 stacklevel=2)
 
@@ -726,14 +742,24 @@ def _positive(value: Any) -> bool:
 _ADAPTED = "_tf_gradsync_adapted"
 
 
+def applying_optimizer(optimizer: Any) -> Any:
+    """The optimizer that computes the update: a loss-scale wrapper's inner one
+    (`LossScaleOptimizer.inner_optimizer` of Keras 3 and tf_keras, which mixed
+    precision puts around the user's), else `optimizer` itself."""
+    while getattr(optimizer, "inner_optimizer", None) is not None:
+        optimizer = optimizer.inner_optimizer
+    return optimizer
+
+
 def optimizer_config(optimizer: Any) -> dict:
-    """`optimizer.get_config()`, read eagerly; {} when it has none.
+    """The config of the optimizer that computes the update (`applying_optimizer`),
+    read eagerly; {} when it has none.
 
     The optimizer checks run while a step is traced, and the config reads the
     optimizer's variables (the learning rate)."""
     try:
         with tf.init_scope():
-            return dict(optimizer.get_config())
+            return dict(applying_optimizer(optimizer).get_config())
     except Exception:  # pylint: disable=broad-except
         return {}
 

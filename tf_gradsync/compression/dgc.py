@@ -14,8 +14,8 @@ import tensorflow as tf
 
 from tf_gradsync.compression import _segments, _selection, _sparse, _util
 from tf_gradsync.compression.base import (Compressor, Context, Layout, StateSpec,
-                                          optimizer_config, optimizer_momentum, register,
-                                          sum_of_squares, when)
+                                          applying_optimizer, optimizer_config,
+                                          optimizer_momentum, register, sum_of_squares, when)
 
 
 @register("dgc")
@@ -118,8 +118,9 @@ class DGC(_sparse.SparseDecoding, Compressor):
         if self.momentum > 0 and momentum:
             raise ValueError(
                 f"dgc applies momentum {self.momentum} itself (momentum correction), and the "
-                f"optimizer {type(optimizer).__name__} applies {name}={momentum} again: "
-                "the two compound and training diverges or stalls. Use SGD without "
+                f"optimizer {type(applying_optimizer(optimizer)).__name__} applies "
+                f"{name}={momentum} again: the two compound and training diverges or "
+                "stalls. Use SGD without "
                 "momentum (SGD(momentum=0.0); CompressedAllReduce.adapt_optimizer(optimizer) "
                 "rebuilds an SGD so), or dgc with momentum=0.0 (sparsification with "
                 "accumulation, no momentum correction)")
