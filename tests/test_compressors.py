@@ -803,7 +803,8 @@ def test_adapt_optimizer_under_tf_keras():
     assert module.startswith("tf_keras")
     assert float(lr) == pytest.approx(1e-3 * 100 ** (1 / 3))
     assert float(beta_1) == 0.0
-    _, name, lr, beta_1 = [l for l in out.stdout.splitlines() if l.startswith("WRAPPED")][-1].split()
+    wrapped = [l for l in out.stdout.splitlines() if l.startswith("WRAPPED")][-1]
+    _, name, lr, beta_1 = wrapped.split()
     assert name.startswith("LossScaleOptimizer")
     assert float(lr) == pytest.approx(1e-3 * 100 ** (1 / 3)) and float(beta_1) == 0.0
 
