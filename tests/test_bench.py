@@ -70,6 +70,15 @@ def test_unknown_suite_is_a_usage_error():
     assert "got ['nope']" in out.stderr and "single_host" in out.stderr, out.stderr[-2000:]
 
 
+def test_an_output_in_a_missing_folder_is_refused_before_the_suite_runs(tmp_path):
+    missing = tmp_path / "no" / "rows.json"
+    out = bench("micro", f"--json={missing}", "--sizes=1000", "--compressors=none",
+                timeout=120)
+    assert out.returncode == 1
+    assert f"folder {str(missing.parent)!r} does not exist" in out.stderr, out.stderr[-2000:]
+    assert "[bench] micro" not in out.stderr     # nothing was measured
+
+
 def test_table_format():
     # Imported here, not at module level: the bench's modules define absl flags.
     from tf_gradsync.bench.__main__ import table

@@ -95,6 +95,8 @@ def test_the_command_line_prints_and_writes_rows(tmp_path):
     (["--compute_s=1"], "give exactly one of --params"),
     (["--params=1000", "--compute_s=1", "--workers=0"], "--workers must be integers >= 1"),
     (["--params=1000", "--compute_s=1", "--compressors=zip"], "unknown compressor 'zip'"),
+    (["--params=1000", "--compute_s=1", "--json=/no/such/folder/rows.json"],
+     "--json=/no/such/folder/rows.json: folder '/no/such/folder' does not exist"),
 ])
 def test_bad_flags_say_what_is_wrong(args, message):
     with pytest.raises(SystemExit) as e:

@@ -230,7 +230,10 @@ def main(argv: Sequence[str]) -> None:
     except flags.Error as e:
         sys.exit(f"plan: {e}\nSee --help.")
     from tf_gradsync import compression  # pylint: disable=import-outside-toplevel
+    from tf_gradsync.bench.__main__ import (  # pylint: disable=import-outside-toplevel
+        check_outputs, table)
     try:
+        check_outputs(json=FLAGS.json, png=FLAGS.png)
         workers = _positive_ints("workers", FLAGS.workers)
         specs = specs_of(FLAGS.model, FLAGS.params)
         names = FLAGS.compressors or compression.names()
@@ -249,7 +252,6 @@ def main(argv: Sequence[str]) -> None:
                     FLAGS.bucket_bytes, FLAGS.overlap, throughput, calls)
     except ValueError as e:
         sys.exit(f"plan: {e}")
-    from tf_gradsync.bench.__main__ import table  # pylint: disable=import-outside-toplevel
     params = sum(math.prod(s) for s, _ in specs)
     source = ("defaults" if throughput is None else f"{FLAGS.codec_gbps:g} GB/s"
               if FLAGS.codec_gbps is not None else "measured here")

@@ -49,6 +49,16 @@ flags.DEFINE_string("png", None, "Write a bar chart of the suite's main metric t
 FLAGS = flags.FLAGS
 
 
+def check_outputs(**paths) -> None:
+    """Raises ValueError for an output flag (`json="/path/x.json"`) whose folder does
+    not exist: checked before a suite runs, so that minutes of measurement are not
+    lost when its results are written."""
+    for flag, path in paths.items():
+        folder = os.path.dirname(os.path.abspath(path)) if path else None
+        if folder and not os.path.isdir(folder):
+            raise ValueError(f"--{flag}={path}: folder {folder!r} does not exist")
+
+
 def table(rows, cols) -> str:
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
@@ -66,6 +76,11 @@ def main(argv):
     if len(argv) != 2 or argv[1] not in SUITES:
         raise app.UsageError(f"usage: python -m tf_gradsync.bench {{{','.join(SUITES)}}} [flags]; "
                              f"got {argv[1:]!r}")
+    try:
+        check_outputs(json=FLAGS.json, png=FLAGS.png,
+                      timeline_png=getattr(FLAGS, "timeline_png", None))
+    except ValueError as e:
+        raise app.UsageError(str(e)) from None
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     suite = importlib.import_module(SUITES[argv[1]])
     rows, cols = suite.run()
