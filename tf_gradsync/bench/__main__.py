@@ -77,8 +77,7 @@ def main(argv):
         raise app.UsageError(f"usage: python -m tf_gradsync.bench {{{','.join(SUITES)}}} [flags]; "
                              f"got {argv[1:]!r}")
     try:
-        check_outputs(json=FLAGS.json, png=FLAGS.png,
-                      timeline_png=getattr(FLAGS, "timeline_png", None))
+        check_outputs(json=FLAGS.json, png=FLAGS.png, timeline_png=FLAGS.timeline_png)
     except ValueError as e:
         raise app.UsageError(str(e)) from None
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")

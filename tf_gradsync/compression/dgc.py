@@ -120,10 +120,10 @@ class DGC(_sparse.SparseDecoding, Compressor):
                 f"dgc applies momentum {self.momentum} itself (momentum correction), and the "
                 f"optimizer {type(applying_optimizer(optimizer)).__name__} applies "
                 f"{name}={momentum} again: the two compound and training diverges or "
-                "stalls. Use SGD without "
-                "momentum (SGD(momentum=0.0); CompressedAllReduce.adapt_optimizer(optimizer) "
-                "rebuilds an SGD so), or dgc with momentum=0.0 (sparsification with "
-                "accumulation, no momentum correction)")
+                "stalls. Use SGD without momentum (SGD(momentum=0.0); "
+                "CompressedAllReduce.adapt_optimizer(optimizer) rebuilds an SGD so), or dgc "
+                "with momentum=0.0 (sparsification with accumulation, no momentum "
+                "correction)")
         super().check_optimizer(optimizer)
 
     def required_optimizer_changes(self, optimizer: Any) -> dict:
