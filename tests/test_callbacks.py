@@ -5,7 +5,6 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 import types
 
 import numpy as np
@@ -15,6 +14,7 @@ import tensorflow as tf
 import tf_gradsync as gs
 from tf_gradsync import report
 from tf_gradsync.callbacks import CommunicationMonitor, StepMonitor, is_chief
+import _tf_keras  # tests/_tf_keras.py
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEVICES = [f"/cpu:{i}" for i in range(4)]
@@ -279,7 +279,7 @@ def test_report_without_matplotlib_says_what_to_install(monkeypatch):
 
 
 def test_tf_keras_fit_with_monitor_in_subprocess(tmp_path):
-    script = textwrap.dedent("""
+    script = """
         import json, sys
         import numpy as np
         import tensorflow as tf
@@ -297,14 +297,10 @@ def test_tf_keras_fit_with_monitor_in_subprocess(tmp_path):
         monitor = CommunicationMonitor(ops, jsonl_path=sys.argv[1], batch_size=16)
         h = model.fit(x, x[:, :4], batch_size=16, epochs=2, verbose=0, callbacks=[monitor])
         print("RESULT", json.dumps(h.history))
-    """)
+    """
     path = tmp_path / "legacy.jsonl"
-    proc = subprocess.run([sys.executable, "-c", script, str(path)],
-                          env=_env(TF_USE_LEGACY_KERAS="1"), capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT")][-1]
-    history = json.loads(line.split(" ", 1)[1])
+    stdout = _tf_keras.run(script, str(path), timeout=300)
+    history = json.loads(stdout.split("RESULT ")[-1].splitlines()[0])
     assert history["comm_bytes"] == [DENSE_BYTES] * 2
     assert history["comm_bytes_total"] == [4 * DENSE_BYTES, 8 * DENSE_BYTES]
     assert all(v > 0 for v in history["samples_per_sec"])

@@ -2,10 +2,6 @@
 the uninterrupted one (tf.train.Checkpoint, model.save_weights, BackupAndRestore)."""
 
 import logging
-import os
-import subprocess
-import sys
-import textwrap
 
 import numpy as np
 import pytest
@@ -13,10 +9,10 @@ import tensorflow as tf
 
 import _regression  # tests/_regression.py
 import _worker  # tests/_worker.py
+import _tf_keras  # tests/_tf_keras.py
 import tf_gradsync as gs
 import train_digits  # examples/train_digits.py
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BATCH = 64
 # Compressors whose results depend on state or on the step counter, with settings that
 # keep state busy on this small model.
@@ -165,12 +161,11 @@ def test_tf_train_checkpoint_custom_loop_resumes_exactly(devices, tmp_path):
 
 @pytest.mark.slow
 def test_tf_keras_checkpoint_carries_state(tmp_path):
-    script = textwrap.dedent(f"""
+    script = f"""
         import os, sys
         import numpy as np
         import tensorflow as tf
         import tf_gradsync as gs
-        sys.path.insert(0, {os.path.join(ROOT, "examples")!r})
         import train_digits
         import tf_keras
         assert tf.keras is tf_keras or tf.keras.__name__.startswith("tf_keras")
@@ -198,12 +193,9 @@ def test_tf_keras_checkpoint_carries_state(tmp_path):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
         assert ops2.stats()["steps"] == ops.stats()["steps"] == 8
         print("OK", len(ops2._state))
-    """)
-    env = dict(os.environ, TF_USE_LEGACY_KERAS="1", TF_CPP_MIN_LOG_LEVEL="2",
-               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
-                         timeout=300)
-    assert out.returncode == 0 and "OK" in out.stdout, out.stdout[-2000:] + out.stderr[-4000:]
+    """
+    stdout = _tf_keras.run(script, timeout=300)
+    assert _tf_keras.lines(stdout, "OK"), stdout[-2000:]
 
 
 def test_loaded_state_that_no_variable_takes_is_kept_and_named(data, devices, caplog):

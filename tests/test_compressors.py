@@ -21,6 +21,7 @@ import tf_gradsync as gs
 from tf_gradsync import compression as C
 from tf_gradsync.compression import _bits, _draws, _segments, _selection, _sparse, _util, xla
 from _compress import context, make_state, reduce, roundtrip
+import _tf_keras  # tests/_tf_keras.py
 
 FLOATS = [tf.float16, tf.bfloat16, tf.float32, tf.float64]
 #: A bucket of several tensors; the empty one holds no elements.
@@ -784,8 +785,6 @@ def test_a_loss_scale_wrapper_is_seen_through():
 
 
 def test_adapt_optimizer_under_tf_keras():
-    import subprocess
-    import sys
     script = ("import tensorflow as tf, tf_gradsync as gs\n"
               "o = gs.CompressedAllReduce('topk').adapt_optimizer(tf.keras.optimizers.Adam(1e-3))\n"
               "c = o.get_config()\n"
@@ -794,17 +793,12 @@ def test_adapt_optimizer_under_tf_keras():
               "a = gs.CompressedAllReduce('topk').adapt_optimizer(w)\n"
               "i = a.inner_optimizer.get_config()\n"
               "print('WRAPPED', type(a).__name__, i['learning_rate'], i['beta_1'])\n")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, TF_USE_LEGACY_KERAS="1", TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=root)
-    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                         text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    _, module, lr, beta_1 = [l for l in out.stdout.splitlines() if l.startswith("RESULT")][-1].split()
+    stdout = _tf_keras.run(script, timeout=300)
+    module, lr, beta_1 = _tf_keras.lines(stdout)[-1]
     assert module.startswith("tf_keras")
     assert float(lr) == pytest.approx(1e-3 * 100 ** (1 / 3))
     assert float(beta_1) == 0.0
-    wrapped = [l for l in out.stdout.splitlines() if l.startswith("WRAPPED")][-1]
-    _, name, lr, beta_1 = wrapped.split()
+    name, lr, beta_1 = _tf_keras.lines(stdout, "WRAPPED")[-1]
     assert name.startswith("LossScaleOptimizer")
     assert float(lr) == pytest.approx(1e-3 * 100 ** (1 / 3)) and float(beta_1) == 0.0
 

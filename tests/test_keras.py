@@ -1,18 +1,13 @@
 """End-to-end training through CompressedAllReduce: Keras 3, tf_keras, custom loops."""
 
-import os
-import subprocess
-import sys
-import textwrap
-
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import tf_gradsync as gs
 import train_digits  # examples/train_digits.py
+import _tf_keras  # tests/_tf_keras.py
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EPOCHS = 12
 
 
@@ -81,7 +76,7 @@ def test_custom_training_loop_matches_reduction_to_one_device(devices, compressi
 
 @pytest.mark.slow
 def test_tf_keras_fit_in_subprocess():
-    script = textwrap.dedent("""
+    script = """
         import os, sys
         import tensorflow as tf
         import tf_gradsync as gs
@@ -94,14 +89,9 @@ def test_tf_keras_fit_in_subprocess():
         _, acc = train_digits.train(strategy, tf_keras, 10, 64)
         s = ops.stats()
         print("RESULT", acc, s["steps"], s["compression_ratio"])
-    """)
-    env = dict(os.environ, TF_USE_LEGACY_KERAS="1", TF_CPP_MIN_LOG_LEVEL="2",
-               PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "examples")]))
-    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                         text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    line = [l for l in out.stdout.splitlines() if l.startswith("RESULT")][-1].split()
-    acc, steps, ratio = float(line[1]), int(line[2]), float(line[3])
+    """
+    line = _tf_keras.lines(_tf_keras.run(script))[-1]
+    acc, steps, ratio = float(line[0]), int(line[1]), float(line[2])
     assert acc >= 0.93
     assert steps == 10 * 23
     assert ratio == pytest.approx(2.0)
@@ -144,7 +134,7 @@ def test_dgc_refuses_the_momentum_inside_mixed_precision_loss_scaling(devices):
 
 
 def test_dgc_with_optimizer_momentum_fails_under_tf_keras():
-    script = textwrap.dedent("""
+    script = """
         import numpy as np
         import tensorflow as tf
         import tf_gradsync as gs
@@ -160,14 +150,9 @@ def test_dgc_with_optimizer_momentum_fails_under_tf_keras():
             model.fit(x[:64], y[:64], batch_size=64, epochs=1, verbose=0)
         except ValueError as e:
             print("RAISED", str(e).replace(chr(10), " "))
-    """)
-    env = dict(os.environ, TF_USE_LEGACY_KERAS="1", TF_CPP_MIN_LOG_LEVEL="2",
-               PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "examples")]))
-    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                         text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "RAISED" in out.stdout and "dgc applies momentum 0.9 itself" in out.stdout, \
-        out.stdout[-2000:]
+    """
+    stdout = _tf_keras.run(script)
+    assert "RAISED" in stdout and "dgc applies momentum 0.9 itself" in stdout, stdout[-2000:]
 
 
 @pytest.mark.parametrize("name,bound", [("adam", 1.0), ("sgd", 2.5)])

@@ -1,10 +1,6 @@
 """A NaN/Inf gradient on one replica propagates like a stock all-reduce, so Keras'
 mixed-precision loss scaling skips that step, and no state stays poisoned."""
 
-import os
-import subprocess
-import sys
-import textwrap
 
 import numpy as np
 import pytest
@@ -12,6 +8,7 @@ import tensorflow as tf
 
 import tf_gradsync as gs
 import train_digits  # examples/train_digits.py
+import _tf_keras  # tests/_tf_keras.py
 
 BAD_BATCH = 2
 
@@ -72,7 +69,7 @@ def test_nonfinite_gradient_skips_the_step_like_stock(name, data, stock, devices
         assert np.isfinite(value).all(), key
 
 
-_TF_KERAS_SCRIPT = textwrap.dedent("""
+_TF_KERAS_SCRIPT = """
     import numpy as np
     import tensorflow as tf
     import tf_gradsync as gs
@@ -102,7 +99,7 @@ _TF_KERAS_SCRIPT = textwrap.dedent("""
         moved = not all(np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
         finite = all(np.isfinite(w).all() for w in model.get_weights())
         print("RESULT", name, skipped, moved, finite, float(optimizer.loss_scale))
-""")
+"""
 
 
 @pytest.mark.slow
@@ -111,14 +108,9 @@ def test_tf_keras_skips_what_only_another_replica_or_the_wire_makes_non_finite()
     finite gradient that the fp16 wire overflows, skips that step (the loss scale
     halves), and the next step trains. Keras 3 decides from the first replica's own
     gradient before the all-reduce (README)."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, TF_USE_LEGACY_KERAS="1", TF_CPP_MIN_LOG_LEVEL="2",
-               PYTHONPATH=root)
-    out = subprocess.run([sys.executable, "-c", _TF_KERAS_SCRIPT], env=env,
-                         capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    rows = [line.split()[1:] for line in out.stdout.splitlines() if line.startswith("RESULT")]
-    assert len(rows) == 4, out.stdout
+    stdout = _tf_keras.run(_TF_KERAS_SCRIPT)
+    rows = _tf_keras.lines(stdout)
+    assert len(rows) == 4, stdout
     for name, skipped, moved, finite, scale in rows:
         assert (skipped, moved, finite) == ("True", "True", "True"), (name, rows)
         assert float(scale) < 32768, (name, rows)
