@@ -1482,6 +1482,22 @@ def test_segment_statistics_match_numpy(make):
                                rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(seg.sum_of_squares(tf.constant(v)).numpy(),
                                [np.sum(p.astype(np.float64) ** 2) for p in pieces], rtol=1e-5)
+    # Several statistics at once, in TensorFlow's ops and compiled (one variadic
+    # reduction per reshaped run), float32 and float64.
+    for dtype in (np.float32, np.float64):
+        w = tf.constant(v.astype(dtype))
+        for run in (lambda f, *a: f(*a), xla.call):
+            high, low, total, squares, positive = run(lambda x: seg.statistics(
+                ("max", x), ("min", x), ("sum", x), ("sum_of_squares", x),
+                ("sum_of_squares", tf.nn.relu(x))), w)
+            assert high.dtype == w.dtype and high.shape == [seg.count]
+            np.testing.assert_array_equal(high, [p.max() for p in pieces])
+            np.testing.assert_array_equal(low, [p.min() for p in pieces])
+            np.testing.assert_allclose(total, [p.sum() for p in pieces], rtol=1e-4, atol=1e-4)
+            np.testing.assert_allclose(squares, [np.sum(p.astype(np.float64) ** 2)
+                                                 for p in pieces], rtol=1e-5)
+            np.testing.assert_allclose(positive, [np.sum(np.maximum(p, 0).astype(np.float64)
+                                                         ** 2) for p in pieces], rtol=1e-5)
     per = tf.range(seg.count, dtype=tf.float32) + 0.5
     np.testing.assert_array_equal(seg.apply(tf.multiply, tf.constant(v), per).numpy(),
                                   v * (np.repeat(np.arange(seg.count), sizes) + 0.5).astype(np.float32))

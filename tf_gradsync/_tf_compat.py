@@ -11,6 +11,7 @@ import sys
 from typing import Sequence
 
 import tensorflow as tf
+from tensorflow.compiler.tf2xla.python import xla as _xla
 from tensorflow.python.distribute import cross_device_ops as _cross_device_ops
 from tensorflow.python.distribute import distribute_lib as _distribute_lib
 from tensorflow.python.distribute import distribute_utils as _distribute_utils
@@ -76,6 +77,15 @@ def collective_all_gather(t: tf.Tensor, group_size: int, group_key: int, instanc
     return _collective_ops.all_gather_v2(
         t, group_size=group_size, group_key=group_key, instance_key=instance_key,
         communication_hint="ring", timeout=timeout, ordering_token=ordering_token)
+
+
+def variadic_reduce(operands: Sequence[tf.Tensor], init_values: Sequence[tf.Tensor],
+                    axis: int, reducer) -> list[tf.Tensor]:
+    """XLA's reduction of several operands in one loop (`reducer`, a concrete function of
+    each operand's accumulator then each operand's element, returns the accumulators);
+    only inside a function XLA compiles."""
+    return list(_xla.variadic_reduce(list(operands), list(init_values),
+                                     dimensions_to_reduce=[axis], reducer=reducer))
 
 
 def cross_device_ops_of(strategy) -> object:
