@@ -5,6 +5,7 @@ import math
 import os
 import subprocess
 import sys
+import textwrap
 
 import pytest
 import tensorflow as tf
@@ -17,10 +18,12 @@ from tf_gradsync.config import DEFAULT_BUCKET_BYTES
 KEYS = {"compressor", "exchange", "bytes_per_worker", "predicted_step_s", "predicted_speedup"}
 
 
-def _cli(*args, timeout=300):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+def _cli(*args, timeout=300, cwd=None):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
+               PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
     return subprocess.run([sys.executable, "-m", "tf_gradsync.plan", *args], capture_output=True,
-                          text=True, timeout=timeout, env=env)
+                          text=True, timeout=timeout, env=env, cwd=cwd)
 
 
 def test_rows_are_the_cost_models_predictions():
@@ -73,6 +76,61 @@ def test_a_saved_model_is_read_by_path(tmp_path):
     assert plan.specs_of(path, None) == [((7, 3), tf.float32), ((3,), tf.float32)]
 
 
+def test_a_file_keras_cannot_load_is_named_with_why(tmp_path):
+    bad = tmp_path / "bad.h5"
+    bad.write_bytes(b"not a model")
+    with pytest.raises(SystemExit) as e:
+        plan.main(["plan", f"--model={bad}", "--compute_s=1"])
+    assert f"cannot load the model saved at '{bad}': " in str(e.value)
+
+
+def test_custom_layers_load_once_their_module_is_imported(tmp_path):
+    (tmp_path / "scale_layer.py").write_text(textwrap.dedent("""
+        import keras
+
+        @keras.saving.register_keras_serializable(package="planner_test")
+        class Scale(keras.layers.Layer):
+            def build(self, shape):
+                self.w = self.add_weight(shape=(shape[-1],), initializer="ones")
+            def call(self, x):
+                return x * self.w
+        """))
+    script = ("import keras, scale_layer\n"
+              "m = keras.Sequential([keras.Input((5,)), scale_layer.Scale(),"
+              " keras.layers.Dense(2)])\n"
+              "m.save('custom.keras')\n")
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, check=True,
+                   timeout=300)
+    args = ["--model=custom.keras", "--compute_s=0.01", "--compressors=fp16"]
+    without = _cli(*args, cwd=tmp_path)
+    assert without.returncode == 1
+    assert "plan: cannot load the model saved at 'custom.keras': " in without.stderr
+    assert "--imports=module" in without.stderr
+    loaded = _cli(*args, "--imports=scale_layer", cwd=tmp_path)
+    assert loaded.returncode == 0, loaded.stderr[-3000:]
+    assert "17 weights in 3 tensors" in loaded.stdout       # 5 + 5 * 2 + 2
+
+
+def test_params_past_a_layer_limit_are_priced_as_several_layers():
+    """Past 2^30 weights `--params` is several square layers, so that no tensor is past
+    the sparsifiers' int32 indices; below it one layer, as before."""
+    assert plan.specs_of(None, 250_000) == [((500, 500), tf.float32), ((500,), tf.float32)]
+    specs = plan.specs_of(None, 3_000_000_000)
+    assert len(specs) == 6 and max(math.prod(s) for s, _ in specs) < 2**31 - 1
+    assert sum(math.prod(s) for s, _ in specs) == pytest.approx(3e9, rel=1e-4)
+    rows = plan.plan(specs, ["topk"], [4], ["1gbit"], 0.1)
+    assert rows and all(math.isfinite(r["predicted_step_s"]) for r in rows)
+
+
+def test_repeated_values_give_one_row_each(tmp_path, capsys):
+    out = tmp_path / "rows.json"
+    plan.main(["plan", "--params=10000", "--compute_s=0.1", "--compressors=fp16,fp16",
+               "--workers=4,4", "--bandwidth=1gbit,1gbit", f"--json={out}"])
+    rows = json.loads(out.read_text())
+    assert sorted(r["exchange"] for r in rows) == ["ring", "tree"]
+
+
 def test_the_command_line_prints_and_writes_rows(tmp_path):
     out = tmp_path / "plan.json"
     proc = _cli("--params=250000", "--workers=4", "--bandwidth=1gbit", "--compute_s=0.01",
@@ -97,6 +155,19 @@ def test_the_command_line_prints_and_writes_rows(tmp_path):
     (["--params=1000", "--compute_s=1", "--compressors=zip"], "unknown compressor 'zip'"),
     (["--params=1000", "--compute_s=1", "--json=/no/such/folder/rows.json"],
      "--json=/no/such/folder/rows.json: folder '/no/such/folder' does not exist"),
+    (["--params=1000", "--compute_s=1", "--workers", "2", "8"],
+     "unexpected argument(s) 8; several values go in one flag, comma-separated"),
+    (["--params=1000", "--compute_s=1", "--bandwidth="], "--bandwidth needs at least one rate"),
+    (["--params=1000", "--compute_s=1", "--codec_gbps=0"],
+     "--codec_gbps must be a finite number > 0, got 0.0"),
+    (["--params=1000", "--compute_s=1", "--codec_gbps=-1"], "--codec_gbps must be"),
+    (["--params=1000", "--compute_s=inf"], "--compute_s must be a finite number >= 0, got inf"),
+    (["--params=1000", "--compute_s=1", "--latency_us=-50"],
+     "--latency_us must be a finite number >= 0, got -50.0"),
+    (["--params=1000", "--calibrate", "--batch=0"], "--batch must be a finite number >= 1"),
+    (["--model=/no/such/model.keras", "--compute_s=1"], "--model=/no/such/model.keras: no such file"),
+    (["--params=1000", "--compute_s=1", "--imports=no_such_module_here"],
+     "--imports=no_such_module_here: No module named 'no_such_module_here'"),
 ])
 def test_bad_flags_say_what_is_wrong(args, message):
     with pytest.raises(SystemExit) as e:

@@ -18,6 +18,7 @@ shape: 24 blocks of width 1024, vocabulary 30522, without Keras).
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import os
@@ -29,18 +30,22 @@ from absl import flags
 from tf_gradsync.config import DEFAULT_BUCKET_BYTES
 
 FLAGS = flags.FlagValues()
-flags.DEFINE_integer("params", None, "Model size in weights (one square Dense layer).",
-                     flag_values=FLAGS)
+flags.DEFINE_integer("params", None, "Model size in weights (one square Dense layer and its "
+                     "bias; past 2^30 weights, several of at most 2^30).", flag_values=FLAGS)
 flags.DEFINE_string("model", None, "A keras.applications name, a saved Keras model's path or "
                     "bert-large.", flag_values=FLAGS)
+flags.DEFINE_list("imports", [], "Modules to import before loading --model (those defining "
+                  "its custom layers).", flag_values=FLAGS)
 flags.DEFINE_list("workers", ["4"], "Workers N (several: a row per value).", flag_values=FLAGS)
-flags.DEFINE_list("bandwidth", ["1gbit"], "Link rate per worker, tc style (100mbit, 1gbit, "
-                  "25gbit; several: a row per value).", flag_values=FLAGS)
+flags.DEFINE_list("bandwidth", ["1gbit"], "Link rate per worker, tc style: kbit, mbit, gbit are "
+                  "bits per second, kbps, mbps, gbps BYTES per second (100mbit, 1gbit, 25gbit; "
+                  "several: a row per value).", flag_values=FLAGS)
 flags.DEFINE_float("latency_us", 50.0, "Latency per message, microseconds.", flag_values=FLAGS)
 flags.DEFINE_float("compute_s", None, "Forward + backward seconds per step (or --calibrate).",
                    flag_values=FLAGS)
-flags.DEFINE_list("compressors", None, "Compressors (default: every registered one).",
-                  flag_values=FLAGS)
+flags.DEFINE_list("compressors", None, "Compressors (default: every registered one), each a "
+                  "name or name:key=value[:key=value...] (topk:ratio=0.001, "
+                  "powersgd:rank=8, sign:exchange=two_phase).", flag_values=FLAGS)
 flags.DEFINE_bool("calibrate", False, "Measure the compressors' data paths (and compute) here.",
                   flag_values=FLAGS)
 flags.DEFINE_integer("batch", 32, "Examples per worker and step, for --calibrate.",
@@ -56,6 +61,9 @@ flags.DEFINE_string("json", None, "Write the rows to this JSON file.", flag_valu
 flags.DEFINE_string("png", None, "Draw the best speed-up per compressor against workers.",
                     flag_values=FLAGS)
 
+#: `--params` past this many weights is priced as several square layers of at most
+#: this many each: the sparsifiers' int32 indices address 2^31 - 1 entries of a tensor.
+MAX_LAYER = 1 << 30
 COLUMNS = ["compressor", "exchange", "workers", "bandwidth", "bytes_per_worker", "wire_s",
            "codec_s", "predicted_step_s", "predicted_speedup"]
 #: Elements compressed per compressor when calibrating (a 2000 x 2000 matrix).
@@ -76,8 +84,9 @@ def specs_of(model: str | None, params: int | None) -> list[tuple]:
     if params is not None:
         if params < 1:
             raise ValueError(f"--params must be a positive weight count, got {params}")
-        width = max(1, int(params ** 0.5))
-        return [((width, width), tf.float32), ((width,), tf.float32)]
+        layers = -(-params // MAX_LAYER)
+        width = max(1, int((params / layers) ** 0.5))
+        return [((width, width), tf.float32), ((width,), tf.float32)] * layers
     if model.lower() == "bert-large":
         return bert_large_specs()
     return [(tuple(int(d) for d in v.shape), tf.as_dtype(v.dtype))
@@ -104,12 +113,20 @@ def load_model(name: str):
     random weights (its name, any case).
 
     Raises:
-      ValueError: for a name that is neither, listing the application names.
+      ValueError: for a file Keras cannot load (saying why), a path to no file, or a
+        name that is none of these, listing the application names.
     """
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
     keras = tf.keras
     if os.path.exists(name):
-        return keras.models.load_model(name, compile=False)
+        try:
+            return keras.models.load_model(name, compile=False)
+        except Exception as e:    # Keras raises OSError, TypeError, ValueError, ... alike
+            why = (str(e).strip().splitlines() or [""])[0][:300]
+            raise ValueError(f"cannot load the model saved at {name!r}: {type(e).__name__}: "
+                             f"{why} (a custom layer's module: --imports=module)") from e
+    if os.sep in name or name.lower().endswith((".keras", ".h5", ".hdf5")):
+        raise ValueError(f"--model={name}: no such file")
     apps = {n.lower(): getattr(keras.applications, n) for n in dir(keras.applications)
             if n[:1].isupper() and callable(getattr(keras.applications, n))}
     if name.lower() not in apps:
@@ -216,7 +233,23 @@ def _positive_ints(name: str, values: Sequence[str]) -> list[int]:
         out = []
     if not out or min(out) < 1:
         raise ValueError(f"--{name} must be integers >= 1, got {','.join(values)}")
-    return out
+    return list(dict.fromkeys(out))
+
+
+def _check_flags(rest: Sequence[str]) -> None:
+    """Raises ValueError naming the first flag whose value makes no plan."""
+    if rest:
+        raise ValueError(f"unexpected argument(s) {' '.join(rest)}; several values go in one "
+                         "flag, comma-separated (--workers=2,8)")
+    if not FLAGS.bandwidth:
+        raise ValueError("--bandwidth needs at least one rate (e.g. --bandwidth=1gbit)")
+    checks = [("compute_s", FLAGS.compute_s, 0, False), ("latency_us", FLAGS.latency_us, 0, False),
+              ("codec_gbps", FLAGS.codec_gbps, 0, True), ("batch", FLAGS.batch, 1, False)]
+    for name, value, low, above in checks:
+        if value is not None and not (math.isfinite(value) and
+                                      (value > low if above else value >= low)):
+            raise ValueError(f"--{name} must be a finite number {'>' if above else '>='} "
+                             f"{low}, got {value}")
 
 
 def main(argv: Sequence[str]) -> None:
@@ -226,15 +259,21 @@ def main(argv: Sequence[str]) -> None:
         return
     FLAGS.unparse_flags()          # each call starts from the defaults
     try:
-        FLAGS(list(argv))
+        rest = FLAGS(list(argv))[1:]
     except flags.Error as e:
         sys.exit(f"plan: {e}\nSee --help.")
     from tf_gradsync import compression  # pylint: disable=import-outside-toplevel
     from tf_gradsync.bench.__main__ import (  # pylint: disable=import-outside-toplevel
         check_outputs, table)
     try:
+        _check_flags(rest)
         check_outputs(json=FLAGS.json, png=FLAGS.png)
         workers = _positive_ints("workers", FLAGS.workers)
+        for module in FLAGS.imports:
+            try:
+                importlib.import_module(module)
+            except ImportError as e:
+                raise ValueError(f"--imports={module}: {e}") from e
         specs = specs_of(FLAGS.model, FLAGS.params)
         names = FLAGS.compressors or compression.names()
         if FLAGS.compute_s is None and not FLAGS.calibrate:
@@ -248,7 +287,7 @@ def main(argv: Sequence[str]) -> None:
             throughput = {n: FLAGS.codec_gbps * 1e9 for n in ["none", *names]}
         elif FLAGS.calibrate:
             throughput, calls = calibrate_codecs(list(dict.fromkeys(["none", *names])))
-        rows = plan(specs, names, workers, FLAGS.bandwidth, compute_s, FLAGS.latency_us * 1e-6,
+        rows = plan(specs, names, workers, list(dict.fromkeys(FLAGS.bandwidth)), compute_s, FLAGS.latency_us * 1e-6,
                     FLAGS.bucket_bytes, FLAGS.overlap, throughput, calls)
     except ValueError as e:
         sys.exit(f"plan: {e}")

@@ -41,7 +41,7 @@ def parse_bandwidth(text: str | float) -> float:
     if isinstance(text, (int, float)) and not isinstance(text, bool):
         bits = float(text)
     else:
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)\s*", str(text).lower())
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*", str(text).lower())
         if not m or m.group(2) not in ("", *UNITS):
             raise ValueError(f"bandwidth {text!r} is not a rate; write e.g. 100mbit, 1gbit, "
                              f"25gbit (units: {', '.join(UNITS)}; a bare number is bit/s)")
