@@ -341,6 +341,65 @@ def test_autotune_refuses_bad_input(devices):
         gs.autotune(busy, weights, compute=0.1)
 
 
+@pytest.mark.parametrize("kwargs,message", [
+    ({"compute": float("inf")}, r"compute must be seconds per step \(finite, >= 0\)"),
+    ({"accuracy": "bogus", "compressors": ["fp16"]}, "unknown accuracy class 'bogus'"),
+    ({"compressors": "topk"}, r"compressors must be a list of names, got the string 'topk' "
+                              r"\(one: \['topk'\]\)"),
+    ({"bucket_sizes": [0]}, "bucket_bytes must be"),
+    ({"probe_bytes": []}, r"probe_bytes must be two or more sizes in bytes .* got \[\]"),
+    ({"probe_bytes": [4096, -1]}, "probe_bytes must be two or more sizes"),
+    ({"foo": 1}, "foo"),
+], ids=["inf", "class", "string", "bucket", "no_probe", "bad_probe", "ops_kwarg"])
+def test_autotune_refuses_before_measuring(devices, kwargs, message):
+    """Arguments that would fail after probing and timing are refused first."""
+    strategy = _strategy(devices)
+    measured = []
+    kwargs = {"compute": lambda: measured.append(1), **kwargs}
+    with pytest.raises((ValueError, TypeError), match=message):
+        gs.autotune(strategy, [((4, 4), tf.float32)], **kwargs)
+    assert not measured
+
+
+def test_autotune_refuses_weights_it_cannot_see_and_a_strategy_without_ops(devices):
+    unbuilt = tf.keras.Sequential([tf.keras.layers.Dense(4)])
+    with pytest.raises(ValueError, match="autotune needs the weights the gradients are of, got "
+                                         "none in Sequential; build the model first"):
+        gs.autotune(_strategy(devices), unbuilt, compute=0.1)
+    one = tf.distribute.OneDeviceStrategy(devices[0])
+    with pytest.raises(ValueError, match="cannot install cross-device ops into "
+                                         "OneDeviceStrategy; .* or pass install=False"):
+        gs.autotune(one, [((4, 4), tf.float32)], compute=0.1)
+
+
+def test_autotune_prints_its_decision_and_takes_numpy_seconds(devices, capsys):
+    """The decision reaches the user without absl's verbosity raised; a numpy scalar is
+    a number of seconds."""
+    strategy = _strategy(devices)
+    ops = gs.autotune(strategy, [((64, 64), tf.float32)], compute=np.float32(0.01),
+                      compressors=["none", "fp16"], probe_bytes=(4096, 1 << 16),
+                      calibrate_numel=20_000, bucket_sizes=(1 << 20,), trials=2,
+                      trial_steps=1)
+    out = capsys.readouterr().out.splitlines()
+    decision = [line for line in out if line.startswith("tf_gradsync.autotune: ")]
+    assert len(decision) == 1 and f"exchange {ops.decision.exchange}" in decision[0]
+    assert sum(line.startswith("tf_gradsync.autotune trial: ") for line in out) == 2
+    assert ops.decision.compute_s == pytest.approx(0.01)
+    gs.autotune(strategy, [((64, 64), tf.float32)], compute=0.01, compressors=["fp16"],
+                probe_bytes=(4096, 1 << 16), calibrate_numel=20_000, trials=0, verbose=False,
+                install=False)
+    assert "tf_gradsync.autotune" not in capsys.readouterr().out
+
+
+def test_measurements_are_averaged_by_one_function_per_strategy(devices):
+    """Every worker's numbers are averaged by one traced function, whatever their count
+    (a function per call made TensorFlow warn the user of retracing)."""
+    strategy = _strategy(devices)
+    for n in range(1, 8):
+        assert autotuning._mean_over_workers(strategy, list(range(n))) == list(range(n))
+    assert autotuning._TOTALS[strategy].experimental_get_tracing_count() == 1
+
+
 @pytest.mark.slow
 def test_every_worker_reaches_the_same_decision(tmp_path):
     """Two workers measure different compute times (1 and 2 ms); the averaged

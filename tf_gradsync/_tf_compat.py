@@ -89,8 +89,9 @@ def variadic_reduce(operands: Sequence[tf.Tensor], init_values: Sequence[tf.Tens
 
 
 def cross_device_ops_of(strategy) -> object:
-    """The cross-device ops a Mirrored or MultiWorkerMirrored strategy was given."""
-    return strategy.extended._cross_device_ops  # pylint: disable=protected-access
+    """The cross-device ops a Mirrored or MultiWorkerMirrored strategy was given (None for
+    a strategy that takes none)."""
+    return getattr(strategy.extended, "_cross_device_ops", None)
 
 
 def worker_position(strategy) -> tuple[int, int]:

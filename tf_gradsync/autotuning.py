@@ -18,6 +18,9 @@ can change the order.
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
+import weakref
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -219,14 +222,24 @@ def probe_all_to_all(strategy: tf.distribute.Strategy, repeats: int = 5,
     return costmodel.median_seconds(step, repeats)[0]
 
 
+#: One summing function per strategy, traced once for any number of values (a new
+#: function per call made TensorFlow warn the user of retracing).
+_TOTALS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
 def _mean_over_workers(strategy: tf.distribute.Strategy, values: Sequence[float]) -> list[float]:
     """Every worker's `values` averaged (exactly): every worker gets the same numbers."""
-    v = tf.constant(values, tf.float32)
+    total = _TOTALS.get(strategy)
+    if total is None:
+        owner = weakref.ref(strategy)          # the entry must not keep its key alive
 
-    @tf.function
-    def total():
-        return strategy.reduce("SUM", strategy.run(lambda: tf.identity(v)), axis=None)
-    return [float(x) / strategy.num_replicas_in_sync for x in total().numpy()]
+        @tf.function(input_signature=[tf.TensorSpec([None], tf.float32)])
+        def total(v):
+            s = owner()
+            return s.reduce("SUM", s.run(lambda: tf.identity(v)), axis=None)
+        _TOTALS[strategy] = total
+    summed = total(tf.constant(values, tf.float32)).numpy()
+    return [float(x) / strategy.num_replicas_in_sync for x in summed]
 
 
 def _specs(weights) -> list[tuple[tuple[int, ...], tf.DType]]:
@@ -246,7 +259,7 @@ def autotune(strategy: tf.distribute.Strategy, weights, *, compute: float | Call
              calibrate_numel: int = 2**20, overlap: float = 0.0, trials: int = 4,
              trial_steps: int = 5, runoff: float = 0.1,
              make_step: Callable[[CompressedAllReduce], Callable[[], Any]] | None = None,
-             guard: bool | None = None, install: bool = True,
+             guard: bool | None = None, install: bool = True, verbose: bool = True,
              **ops_kwargs) -> CompressedAllReduce:
     """Measures, decides (`decide`) and returns a ready `CompressedAllReduce`.
 
@@ -309,16 +322,21 @@ def autotune(strategy: tf.distribute.Strategy, weights, *, compute: float | Call
         chosen; the cost model prices them unguarded (the guard adds 8 bytes per
         bucket, riding on a round, and a few scalar ops).
       install: make the strategy use the result.
+      verbose: print the decision (and each trial) as well as logging it (absl's INFO,
+        which scripts outside `absl.app` do not show).
       **ops_kwargs: further `CompressedAllReduce` arguments (e.g. `timeout_seconds`).
 
     Returns:
       The chosen `CompressedAllReduce`; its `decision` attribute is the `Decision`.
 
     Raises:
-      ValueError: for an unknown accuracy class or compressor, a strategy whose ops
-        already compress, a `compute` that is neither a number nor callable, or
-        `trials`, `trial_steps` or `runoff` out of range, or a `make_step` that is not
-        callable or that returns the same function twice.
+      ValueError: for an unknown accuracy class or compressor, `weights` with none to
+        train, a strategy whose ops already compress or that takes no cross-device
+        ops (with `install`), a `compute` that is neither a finite number nor
+        callable, `trials`, `trial_steps`, `runoff`, `bucket_sizes`, `probe_bytes` or
+        `ops_kwargs` that `CompressedAllReduce` refuses, or a `make_step` that is not
+        callable or that returns the same function twice; all before anything is
+        measured but the last.
 
     Example:
       >>> strategy = tf_gradsync.MultiWorkerMirroredStrategy()
@@ -336,22 +354,39 @@ def autotune(strategy: tf.distribute.Strategy, weights, *, compute: float | Call
         raise ValueError(f"make_step must build a step function, got {make_step!r}")
     if guard is not None and not isinstance(guard, bool):
         raise ValueError(f"guard must be True, False or None, got {guard!r}")
-    names = list(compressors) if compressors is not None else candidates(accuracy)
+    if isinstance(compressors, str):
+        raise ValueError(f"compressors must be a list of names, got the string {compressors!r}"
+                         f" (one: [{compressors!r}])")
+    allowed = candidates(accuracy)            # a clear error for an unknown class
+    names = list(compressors) if compressors is not None else allowed
     for n in names:
         compression.get(n)                     # a clear error for an unknown name
+    for b in bucket_sizes:                     # and for sizes or arguments the ops refuse
+        CompressedAllReduce("none", bucket_bytes=b, **ops_kwargs)
+    if len({b for b in probe_bytes if _positive_int(b)}) < 2 or not all(
+            _positive_int(b) for b in probe_bytes):
+        raise ValueError(f"probe_bytes must be two or more sizes in bytes (integers >= 1), "
+                         f"got {probe_bytes!r}")
+    if install:
+        _check_installable(strategy)
     current = _tf_compat.cross_device_ops_of(strategy)
     if isinstance(current, CompressedAllReduce) and current.compressor.name != "none":
         raise ValueError(f"autotune probes the link with exact all-reduces, but the strategy "
                          f"already uses {current!r}; create it without cross_device_ops or "
                          "with CompressedAllReduce('none')")
+    specs = _specs(weights)
+    if not specs:
+        raise ValueError(f"autotune needs the weights the gradients are of, got none in "
+                         f"{type(weights).__name__}; build the model first (a keras.Input or "
+                         "model.build(shape))")
     if callable(compute):
         compute_s = costmodel.median_seconds(compute, 3)[0]
-    elif isinstance(compute, (int, float)) and not isinstance(compute, bool) and compute >= 0:
+    elif (isinstance(compute, numbers.Real) and not isinstance(compute, bool)
+          and math.isfinite(compute) and compute >= 0):
         compute_s = float(compute)
     else:
-        raise ValueError(f"compute must be seconds per step (>= 0) or a function running "
-                         f"one step, got {compute!r}")
-    specs = _specs(weights)
+        raise ValueError(f"compute must be seconds per step (finite, >= 0) or a function "
+                         f"running one step, got {compute!r}")
     workers = strategy.num_replicas_in_sync
     # The all-reduces' seconds, then the all-to-all's.
     probe = ([*probe_link(strategy, probe_bytes),
@@ -373,19 +408,22 @@ def autotune(strategy: tf.distribute.Strategy, weights, *, compute: float | Call
                         make_step, weights, runoff)
     ops = decision.ops(**ops_kwargs)
     ops.decision = decision
-    logging.info("tf_gradsync.autotune: %r, exchange %s, bucket_bytes %d: predicted %.4g s "
-                 "per step, %.2fx uncompressed (link %.3g us, %.4g Gbit/s, all-to-all rounds "
-                 "%.3g us; compute %.4g s; %d replicas)", ops.compressor, decision.exchange,
-                 decision.bucket_bytes, decision.predicted_step_s, decision.predicted_speedup,
-                 link.latency_s * 1e6, link.bytes_per_s * 8e-9, link.round_seconds * 1e6,
-                 compute_s, workers)
-    for name, exchange, bucket_bytes, predicted, measured in decision.trials:
-        logging.info("tf_gradsync.autotune trial: %s, exchange %s, bucket_bytes %d: predicted "
-                     "%.4g s, measured %.4g s per step", name, exchange, bucket_bytes,
-                     predicted, measured)
-    for name, exchange, bucket_bytes, _, measured in decision.runoff:
-        logging.info("tf_gradsync.autotune run-off: %s, exchange %s, bucket_bytes %d: "
-                     "measured %.4g s per step", name, exchange, bucket_bytes, measured)
+    lines = [f"tf_gradsync.autotune trial: {name}, exchange {exchange}, bucket_bytes "
+             f"{bucket_bytes}: predicted {predicted:.4g} s, measured {measured:.4g} s per step"
+             for name, exchange, bucket_bytes, predicted, measured in decision.trials]
+    lines += [f"tf_gradsync.autotune run-off: {name}, exchange {exchange}, bucket_bytes "
+              f"{bucket_bytes}: measured {measured:.4g} s per step"
+              for name, exchange, bucket_bytes, _, measured in decision.runoff]
+    lines.append(
+        f"tf_gradsync.autotune: {ops.compressor!r}, exchange {decision.exchange}, bucket_bytes "
+        f"{decision.bucket_bytes}: predicted {decision.predicted_step_s:.4g} s per step, "
+        f"{decision.predicted_speedup:.2f}x uncompressed (link {link.latency_s * 1e6:.3g} us, "
+        f"{link.bytes_per_s * 8e-9:.4g} Gbit/s, all-to-all rounds "
+        f"{link.round_seconds * 1e6:.3g} us; compute {compute_s:.4g} s; {workers} replicas)")
+    for line in lines:
+        logging.info("%s", line)
+        if verbose:
+            print(line, flush=True)
     if install:
         _install(strategy, ops)
     return ops
@@ -569,16 +607,25 @@ def _time_step(ops: CompressedAllReduce, step: Callable[[], Any], steps: int) ->
     return costmodel.median_seconds(step, steps)[0]
 
 
-def _install(strategy: tf.distribute.Strategy, ops: CompressedAllReduce) -> None:
-    use = getattr(strategy, "use_cross_device_ops", None)
-    if use is not None:                        # tf_gradsync.MultiWorkerMirroredStrategy
-        use(ops)
-    elif isinstance(strategy, tf.distribute.MirroredStrategy):
-        _tf_compat.set_cross_device_ops(strategy, ops)
-    else:
+def _positive_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 1
+
+
+def _check_installable(strategy: tf.distribute.Strategy) -> None:
+    if not (hasattr(strategy, "use_cross_device_ops")
+            or isinstance(strategy, tf.distribute.MirroredStrategy)):
         raise ValueError(f"cannot install cross-device ops into {type(strategy).__name__}; "
                          "use tf.distribute.MirroredStrategy or "
                          "tf_gradsync.MultiWorkerMirroredStrategy, or pass install=False")
+
+
+def _install(strategy: tf.distribute.Strategy, ops: CompressedAllReduce) -> None:
+    _check_installable(strategy)
+    use = getattr(strategy, "use_cross_device_ops", None)
+    if use is not None:                        # tf_gradsync.MultiWorkerMirroredStrategy
+        use(ops)
+    else:
+        _tf_compat.set_cross_device_ops(strategy, ops)
 
 
 __all__ = ["BUCKET_SIZES", "CLASSES", "Decision", "autotune", "candidates", "decide",
