@@ -107,6 +107,10 @@ CASES = [
     case("ef-none", lambda: C.ErrorFeedback(None), "None", NAMES),
     case("ef-round-compressor", lambda: C.ErrorFeedback("powersgd"),
          "PowerSGD(", "allowed: single-round"),
+    case("ef-exact", lambda: gs.CompressedAllReduce("none", error_feedback=True),
+         "NoCompression", "no error to feed back; leave error_feedback unset"),
+    case("spec-string", lambda: gs.CompressedAllReduce("topk:ratio=0.1"), "'topk:ratio=0.1'",
+         "compression.get('topk', key=value, ...)"),
     # ------------------------------------------------------------ plan_buckets
     case("plan-bucket-bool", lambda: gs.plan_buckets([((2,), tf.float32)], True),
          "got True", "positive integer"),
@@ -152,6 +156,11 @@ CASES = [
          "-8", "positive integer or None"),
     case("monitor-target", lambda: CommunicationMonitor(42), "42", "CompressedAllReduce"),
 ]
+
+
+def test_numpy_integers_are_integers():
+    ops = gs.CompressedAllReduce("fp16", warmup_steps=np.int64(3), bucket_bytes=np.int64(1024))
+    assert ops.compressor.steps == 3 and type(ops.compressor.steps) is int
 
 
 @pytest.mark.parametrize("fn,needles", CASES)

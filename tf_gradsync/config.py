@@ -95,7 +95,8 @@ def check_settings(*, error_feedback=None, bucket_bytes=DEFAULT_BUCKET_BYTES, al
     check_bucket_bytes(bucket_bytes)
     algorithms.validate(algorithm)
     algorithms.validate_exchange(exchange)
-    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+    if (isinstance(warmup_steps, bool) or not isinstance(warmup_steps, numbers.Integral)
+            or warmup_steps < 0):
         raise ValueError(f"warmup_steps must be a non-negative integer, got {warmup_steps!r}")
     if timeout_seconds is not None and (
             isinstance(timeout_seconds, bool) or not isinstance(timeout_seconds, (int, float))

@@ -94,7 +94,7 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
         if guard and self._compressor.accuracy != "lossless":
             self._compressor = Guard(self._compressor)
         if warmup_steps:
-            self._compressor = Warmup(self._compressor, warmup_steps)
+            self._compressor = Warmup(self._compressor, int(warmup_steps))
         self._algorithm = algorithm
         self._exchange = exchange
         self._bucket_bytes = bucket_bytes

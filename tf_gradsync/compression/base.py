@@ -839,7 +839,11 @@ def get(name: str | Compressor, **kwargs) -> Compressor:
                              "either a registered name with arguments or an instance alone")
         return name
     if not isinstance(name, str) or name not in _REGISTRY:
-        raise ValueError(f"unknown compressor {name!r}; valid names: {', '.join(names())}")
+        hint = ""
+        if isinstance(name, str) and name.split(":")[0] in _REGISTRY:
+            hint = (f"; settings go in arguments: compression.get({name.split(':')[0]!r}, "
+                    "key=value, ...), as an instance to CompressedAllReduce")
+        raise ValueError(f"unknown compressor {name!r}; valid names: {', '.join(names())}{hint}")
     cls = _REGISTRY[name]
     params = [p.name for p in inspect.signature(cls.__init__).parameters.values()
               if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]

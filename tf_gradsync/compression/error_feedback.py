@@ -102,12 +102,16 @@ def with_error_feedback(compressor: Compressor, enabled: bool | None) -> Compres
       enabled: True, False, or None for the compressor's default.
 
     Raises:
-      ValueError: when asked to wrap a compressor that keeps its own memory.
+      ValueError: when asked to wrap a compressor that keeps its own memory, or one that
+        sends its input exactly (its residual would be a bucket of zeros).
     """
     if isinstance(compressor, ErrorFeedback) or enabled is False:
         return compressor
     if enabled and compressor.has_own_memory:
         raise ValueError(f"{compressor!r} keeps its own error memory; leave error_feedback unset")
+    if enabled and compressor.exact:
+        raise ValueError(f"{compressor!r} sends every value exactly, so it has no error to feed "
+                         "back; leave error_feedback unset")
     if enabled is None:
         enabled = compressor.default_error_feedback
         if enabled is None:
