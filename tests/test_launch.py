@@ -34,6 +34,17 @@ def test_each_worker_gets_its_tf_config_and_a_rank_prefix(tmp_path):
     assert len(set(addrs)) == 3 and all(a.startswith("127.0.0.1:") for a in addrs)
 
 
+@pytest.mark.parametrize("interpreter", ["python", "python3", "/usr/bin/python3.11"])
+def test_a_named_interpreter_runs_as_this_one(tmp_path, interpreter):
+    """`-- python train.py`, as other launchers take it: the workers run the launcher's
+    interpreter."""
+    script = tmp_path / "w.py"
+    script.write_text("import sys; print(sys.executable)")
+    out = run(["--num_workers=1", "--", interpreter, str(script)])
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["[0]", sys.executable]
+
+
 def test_failure_stops_the_others_and_returns_its_code(tmp_path):
     script = tmp_path / "w.py"
     # Worker 1 fails; worker 0 ignores SIGTERM (as TensorFlow workers may) and would
@@ -48,6 +59,7 @@ def test_failure_stops_the_others_and_returns_its_code(tmp_path):
     start = time.monotonic()
     out = run(["--num_workers=2", "--grace_seconds=1", "--", str(script)])
     assert out.returncode == 7
+    assert "[launch] attempt 0 failed with exit code 7 (worker 1); no restarts left" in out.stderr
     assert time.monotonic() - start < 30
     pids = [int(l.split()[-1]) for l in out.stdout.splitlines() if " pid " in l]
     assert len(pids) == 2
@@ -174,7 +186,8 @@ def test_restarts(tmp_path, restarts, fail_until, code, runs):
     failures = [l for l in out.stderr.splitlines() if l.startswith("[launch] attempt")]
     assert len(failures) == runs - (code == 0)
     if code:
-        assert failures[-1].endswith(f"failed with exit code {code}; no restarts left")
+        assert failures[-1].endswith(f"failed with exit code {code} (worker 1); "
+                                     "no restarts left")
 
 
 def test_attempt_timeout_stops_a_hung_job(tmp_path):

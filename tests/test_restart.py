@@ -30,7 +30,7 @@ def test_job_resumes_from_backup_after_a_worker_dies(tmp_path):
                                 timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert f"[1] worker 1: exiting at step {die_at}" in proc.stdout
-    assert "[launch] attempt 0 failed with exit code 3; restarting" in proc.stderr
+    assert "[launch] attempt 0 failed with exit code 3 (worker 1); restarting" in proc.stderr
 
     weights, res = results(out, 2)
     assert_same_weights(weights)

@@ -104,9 +104,13 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                    help=f"intra-op threads of each worker's TensorFlow (>= 0; default: "
                         f"${THREADS_ENV} if set, else this machine's cores // num_workers, at "
                         "least 1; 0: TensorFlow's default, every core)")
-    p.add_argument("command", nargs=argparse.REMAINDER, help="-- script.py [args]")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- script.py [args] (a leading python is this interpreter)")
     args = p.parse_args(argv)
     if args.command and args.command[0] == "--":
+        args.command = args.command[1:]
+    if args.command and re.fullmatch(r"python[0-9.]*", os.path.basename(args.command[0])):
+        # `-- python train.py`, as other launchers are called: the workers run this
+        # launcher's interpreter whatever is named.
         args.command = args.command[1:]
     if args.num_workers < 1:
         p.error(f"--num_workers must be >= 1, got {args.num_workers}")
@@ -189,6 +193,8 @@ class Job:
         self._out = out
         self._lock = threading.Lock()
         self.procs: list[subprocess.Popen] = []
+        #: The rank of the worker whose failure ended the job (`wait`), if one did.
+        self.failed_rank: int | None = None
         env = dict(env or {})
         if THREADS_ENV not in env:
             env.update(thread_env(len(configs), threads))
@@ -222,10 +228,11 @@ class Job:
                 self.stop()
                 raise TimeoutError(f"workers still running after {timeout:g} s; stopped them")
             codes = [p.poll() for p in self.procs]
-            failed = [c for c in codes if c not in (None, 0)]
+            failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
             if failed:
                 self.stop()
-                return failed[0] if failed[0] > 0 else 128 - failed[0]
+                self.failed_rank, code = failed[0], codes[failed[0]]
+                return code if code > 0 else 128 - code
             if all(c == 0 for c in codes):
                 self._drain()
                 return 0
@@ -301,7 +308,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             if received or code == 0:
                 break
             left = args.restarts - attempt
-            print(f"[launch] attempt {attempt} failed with exit code {code}; "
+            who = "" if job.failed_rank is None else f" (worker {job.failed_rank})"
+            print(f"[launch] attempt {attempt} failed with exit code {code}{who}; "
                   + (f"restarting ({left} restart(s) left)" if left else "no restarts left"),
                   file=sys.stderr, flush=True)
     finally:
