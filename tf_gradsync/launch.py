@@ -104,7 +104,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                    help=f"intra-op threads of each worker's TensorFlow (>= 0; default: "
                         f"${THREADS_ENV} if set, else this machine's cores // num_workers, at "
                         "least 1; 0: TensorFlow's default, every core)")
-    p.add_argument("command", nargs=argparse.REMAINDER, help="-- script.py [args] (a leading python is this interpreter)")
+    p.add_argument("command", nargs=argparse.REMAINDER,
+                   help="-- script.py [args] (a leading python is this interpreter)")
     args = p.parse_args(argv)
     if args.command and args.command[0] == "--":
         args.command = args.command[1:]
