@@ -165,7 +165,8 @@ def test_the_command_line_prints_and_writes_rows(tmp_path):
     (["--params=1000", "--compute_s=1", "--latency_us=-50"],
      "--latency_us must be a finite number >= 0, got -50.0"),
     (["--params=1000", "--calibrate", "--batch=0"], "--batch must be a finite number >= 1"),
-    (["--model=/no/such/model.keras", "--compute_s=1"], "--model=/no/such/model.keras: no such file"),
+    (["--model=/no/such/model.keras", "--compute_s=1"],
+     "--model=/no/such/model.keras: no such file"),
     (["--params=1000", "--compute_s=1", "--imports=no_such_module_here"],
      "--imports=no_such_module_here: No module named 'no_such_module_here'"),
 ])

@@ -287,8 +287,9 @@ def main(argv: Sequence[str]) -> None:
             throughput = {n: FLAGS.codec_gbps * 1e9 for n in ["none", *names]}
         elif FLAGS.calibrate:
             throughput, calls = calibrate_codecs(list(dict.fromkeys(["none", *names])))
-        rows = plan(specs, names, workers, list(dict.fromkeys(FLAGS.bandwidth)), compute_s, FLAGS.latency_us * 1e-6,
-                    FLAGS.bucket_bytes, FLAGS.overlap, throughput, calls)
+        rows = plan(specs, names, workers, list(dict.fromkeys(FLAGS.bandwidth)), compute_s,
+                    FLAGS.latency_us * 1e-6, FLAGS.bucket_bytes, FLAGS.overlap, throughput,
+                    calls)
     except ValueError as e:
         sys.exit(f"plan: {e}")
     params = sum(math.prod(s) for s, _ in specs)
