@@ -347,10 +347,12 @@ def test_autotune_refuses_bad_input(devices):
     ({"compressors": "topk"}, r"compressors must be a list of names, got the string 'topk' "
                               r"\(one: \['topk'\]\)"),
     ({"bucket_sizes": [0]}, "bucket_bytes must be"),
+    ({"bucket_sizes": []}, "bucket_sizes must hold one or more sizes in bytes, got none"),
     ({"probe_bytes": []}, r"probe_bytes must be two or more sizes in bytes .* got \[\]"),
     ({"probe_bytes": [4096, -1]}, "probe_bytes must be two or more sizes"),
     ({"foo": 1}, "foo"),
-], ids=["inf", "class", "string", "bucket", "no_probe", "bad_probe", "ops_kwarg"])
+], ids=["inf", "class", "string", "bucket", "no_buckets", "no_probe", "bad_probe",
+        "ops_kwarg"])
 def test_autotune_refuses_before_measuring(devices, kwargs, message):
     """Arguments that would fail after probing and timing are refused first."""
     strategy = _strategy(devices)

@@ -367,7 +367,9 @@ def autotune(strategy: tf.distribute.Strategy, weights, *, compute: float | Call
             _positive_int(b) for b in probe_bytes):
         raise ValueError(f"probe_bytes must be two or more sizes in bytes (integers >= 1), "
                          f"got {probe_bytes!r}")
-    if install:
+    if not bucket_sizes:
+        raise ValueError("bucket_sizes must hold one or more sizes in bytes, got none")
+    if install or (trials > 1 and strategy.num_replicas_in_sync > 1):    # trials install too
         _check_installable(strategy)
     current = _tf_compat.cross_device_ops_of(strategy)
     if isinstance(current, CompressedAllReduce) and current.compressor.name != "none":
@@ -620,7 +622,6 @@ def _check_installable(strategy: tf.distribute.Strategy) -> None:
 
 
 def _install(strategy: tf.distribute.Strategy, ops: CompressedAllReduce) -> None:
-    _check_installable(strategy)
     use = getattr(strategy, "use_cross_device_ops", None)
     if use is not None:                        # tf_gradsync.MultiWorkerMirroredStrategy
         use(ops)

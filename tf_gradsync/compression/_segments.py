@@ -165,7 +165,10 @@ class Segments:
         runs a reduction with its producer fused in at about the same speed whatever it
         computes per entry, so each term saved is a pass saved (a maximum, a minimum, a
         sum and a sum of squares of 25M entries, one core: 37 ms against 85 in rows of
-        10,000, 21 against 69 in blocks of 32). Otherwise, one reduction per term."""
+        10,000, 21 against 69 in blocks of 32). Otherwise, one reduction per term. For
+        terms computed from the bucket: XLA reduces the bucket itself alone in a
+        vectorised kernel (a maximum, a minimum and a sum of one 25M-entry segment: 7-9
+        ms each, 38 as one loop)."""
         if not xla.tracing() or not terms:
             single = {"sum": self.sum, "max": self.max, "min": self.min,
                       "sum_of_squares": self.sum_of_squares}

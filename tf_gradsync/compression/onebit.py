@@ -70,7 +70,8 @@ class OneBit(Compressor):
         v = tf.cast(x, wd)
         bit = v >= 0
         # One pass for the four (relu(v): the positive side; the sums check finiteness,
-        # as `_util.all_finite` does): 25M entries compressed in 57 ms instead of 73.
+        # as `_util.all_finite` does): a round trip of 25M entries, one core, 76-79 ->
+        # 56 ms.
         n_pos, sq_pos, sq, sums = seg.statistics(
             ("sum", tf.cast(bit, wd)), ("sum_of_squares", tf.nn.relu(v)),
             ("sum_of_squares", v), ("sum", v))
