@@ -1,6 +1,7 @@
 """CommunicationMonitor, StepMonitor and the report CLI."""
 
 import csv
+import gc
 import json
 import os
 import subprocess
@@ -170,6 +171,46 @@ def test_nan_loss_does_not_crash(tmp_path):
     assert (tmp_path / "nan.csv").exists()
 
 
+class _Interrupt(tf.keras.callbacks.Callback):
+    """Raises at the third batch of the second epoch, as a failing job would."""
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == 2 and self.epoch == 1:
+            raise RuntimeError("interrupted")
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+
+def test_a_fit_that_raises_keeps_its_rows_and_the_monitor_starts_clean_again(tmp_path):
+    """Every row is in the files as written, even when fit raises (Keras then calls no
+    on_train_end); the next fit with the same monitor closes what was left open and
+    writes whole new files, not rows of the old run over them."""
+    ops = gs.CompressedAllReduce("fp16", algorithm="ring")
+    strategy = tf.distribute.MirroredStrategy(DEVICES, cross_device_ops=ops)
+    with strategy.scope():
+        model = tf.keras.Sequential([tf.keras.Input((8,)), tf.keras.layers.Dense(4)])
+        model.compile(tf.keras.optimizers.SGD(0.01), "mse")
+    paths = {"jsonl_path": str(tmp_path / "run.jsonl"), "csv_path": str(tmp_path / "run.csv")}
+    monitor = CommunicationMonitor(ops, **paths)
+    x, y = _data()
+    with pytest.raises(RuntimeError, match="interrupted"):
+        model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, callbacks=[monitor, _Interrupt()])
+    # 4 batches and an epoch row, then 3 batches of the second epoch: all on disk.
+    assert [(r["kind"], r["epoch"]) for r in _jsonl(paths["jsonl_path"])] == \
+        [("batch", 0)] * 4 + [("epoch", 0)] + [("batch", 1)] * 3
+    with open(paths["csv_path"], encoding="utf-8") as f:
+        assert len(list(csv.DictReader(f))) == 8
+    old = monitor._jsonl
+    model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, callbacks=[monitor])
+    assert old.closed
+    gc.collect()       # an old handle flushed late would write over the new rows
+    assert [(r["kind"], r["epoch"], r["step"]) for r in _jsonl(paths["jsonl_path"])] == \
+        [("batch", 0, s) for s in range(1, 5)] + [("epoch", 0, 4)]
+    with open(paths["csv_path"], encoding="utf-8") as f:
+        assert [r["kind"] for r in csv.DictReader(f)] == ["batch"] * 4 + ["epoch"]
+
+
 def test_steps_per_execution_gives_per_step_bytes(tmp_path):
     path = tmp_path / "spe.jsonl"
     run = _fit("fp16", {"jsonl_path": str(path)}, n=80, epochs=1, steps_per_execution=2)
@@ -208,6 +249,20 @@ def test_mirrored_is_chief_and_only_the_chief_writes(tmp_path):
     assert not run.monitor.is_chief
     assert run.history["comm_bytes"] == [DENSE_BYTES], "non-chiefs still log to Keras"
     assert os.listdir(tmp_path) == []
+
+
+def test_rejects_a_folder_for_a_file_and_a_string_for_log_keys(tmp_path):
+    ops = gs.CompressedAllReduce("fp16")
+    with pytest.raises(ValueError, match=r"jsonl_path='.*' is a folder; give a file path"):
+        CommunicationMonitor(ops, jsonl_path=str(tmp_path))
+    with pytest.raises(ValueError, match=r"csv_path='.*' is a folder"):
+        CommunicationMonitor(ops, csv_path=tmp_path)
+    with pytest.raises(ValueError, match=r"jsonl_path='.*' is a folder"):
+        StepMonitor(ops, jsonl_path=str(tmp_path))
+    with pytest.raises(ValueError, match=r"log_keys must be a list of key names, got the string "
+                                         r"'comm_bytes' \(one: \['comm_bytes'\]\)"):
+        CommunicationMonitor(ops, log_keys="comm_bytes")
+    CommunicationMonitor(ops, tensorboard_dir=str(tmp_path))     # a folder, as it should be
 
 
 def test_rejects_what_is_not_compressed_all_reduce():

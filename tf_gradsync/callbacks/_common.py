@@ -41,8 +41,12 @@ def check_batch_size(value, who: str) -> int | None:
     raise ValueError(f"{who}: batch_size must be a positive integer or None, got {value!r}")
 
 
-def check_path(name: str, value, who: str):
-    """Returns `value` if it is None or a non-empty path; raises ValueError otherwise."""
+def check_path(name: str, value, who: str, folder: bool = False):
+    """Returns `value` if it is None or a non-empty path (of a file unless `folder`: not
+    an existing folder); raises ValueError otherwise."""
+    if (not folder and isinstance(value, (str, os.PathLike)) and os.fspath(value)
+            and os.path.isdir(value)):
+        raise ValueError(f"{who}: {name}={os.fspath(value)!r} is a folder; give a file path")
     if value is None or (isinstance(value, (str, os.PathLike)) and os.fspath(value)):
         return value
     raise ValueError(f"{who}: {name} must be a non-empty path (str or os.PathLike) or None, "

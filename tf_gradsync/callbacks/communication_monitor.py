@@ -40,12 +40,13 @@ class CommunicationMonitor(tf.keras.callbacks.Callback):
       none of these, so pass `batch_size`). A short final batch is counted as full.
 
     At epoch end the same keys hold the epoch's averages, plus `comm_bytes_total`
-    (bytes sent per replica since training began) and `step_time_p50_ms`,
+    (bytes sent per replica since this `fit` began) and `step_time_p50_ms`,
     `step_time_p90_ms` (percentiles of the epoch's per-step times). Timing keys are
     NaN for an epoch without timed batches.
 
-    Files are opened in `on_train_begin` (overwriting) and closed in `on_train_end`,
-    and only the chief writes them. CSV and JSON lines hold one row per batch (`kind`
+    Files are opened in `on_train_begin` (overwriting; what a `fit` that raised left
+    open is closed first) and closed in `on_train_end`, and only the chief writes
+    them. Each row reaches its file as it is written, so a run that dies keeps them. CSV and JSON lines hold one row per batch (`kind`
     "batch") and per epoch (`kind` "epoch") with `step` (training steps since train
     begin), `epoch`, `wall_time_s` (since train begin), `loss`, `steps` (steps the row
     covers) and the numbers above; JSON lines also carry the other scalar Keras logs
@@ -87,16 +88,19 @@ class CommunicationMonitor(tf.keras.callbacks.Callback):
                  batch_size: int | None = None, log_keys=None):
         super().__init__()
         who = "CommunicationMonitor"
+        if isinstance(log_keys, str):
+            raise ValueError(f"{who}: log_keys must be a list of key names, got the string "
+                             f"{log_keys!r} (one: [{log_keys!r}])")
         if log_keys is not None:
-            unknown = sorted(set(log_keys) - set(_EPOCH_KEYS)) if not isinstance(
-                log_keys, str) else [log_keys]
+            unknown = sorted(set(log_keys) - set(_EPOCH_KEYS))
             if unknown:
                 raise ValueError(f"{who}: unknown log_keys {unknown}; valid keys: "
                                  f"{', '.join(_EPOCH_KEYS)}")
         self.log_keys = set(_EPOCH_KEYS if log_keys is None else log_keys)
         self.ops, self.strategy = _common.resolve(ops_or_strategy, who)
         self.csv_path = _common.check_path("csv_path", csv_path, who)
-        self.tensorboard_dir = _common.check_path("tensorboard_dir", tensorboard_dir, who)
+        self.tensorboard_dir = _common.check_path("tensorboard_dir", tensorboard_dir, who,
+                                                  folder=True)
         if tensorboard_dir and importlib.util.find_spec("tensorboard") is None:
             raise ImportError(f"{who}: tensorboard_dir={tensorboard_dir!r} needs the tensorboard "
                               "package: pip install tensorboard")
@@ -107,6 +111,7 @@ class CommunicationMonitor(tf.keras.callbacks.Callback):
 
     # ------------------------------------------------------------ Keras hooks
     def on_train_begin(self, logs=None):
+        self._close()      # Keras calls no on_train_end after a fit that raised
         self._meter = _common.Meter(self.ops)
         self._t0 = time.perf_counter()
         self._warm = False
@@ -116,11 +121,13 @@ class CommunicationMonitor(tf.keras.callbacks.Callback):
         if not self.is_chief:
             return
         if self.csv_path:
-            self._csv_file = open(_parent_made(self.csv_path), "w", newline="", encoding="utf-8")
+            # Line-buffered: every row is in the file as soon as it is written.
+            self._csv_file = open(_parent_made(self.csv_path), "w", buffering=1, newline="",
+                                  encoding="utf-8")
             self._csv = csv.DictWriter(self._csv_file, _common.FIELDS, extrasaction="ignore")
             self._csv.writeheader()
         if self.jsonl_path:
-            self._jsonl = open(_parent_made(self.jsonl_path), "w", encoding="utf-8")
+            self._jsonl = open(_parent_made(self.jsonl_path), "w", buffering=1, encoding="utf-8")
         if self.tensorboard_dir:
             self._writer = tf.summary.create_file_writer(self.tensorboard_dir)
 
@@ -148,11 +155,11 @@ class CommunicationMonitor(tf.keras.callbacks.Callback):
                      if (k != "samples_per_sec" or known) and k in self.log_keys})
         rec["step"] = self._meter.step
         self._write("epoch", rec, logs)
-        for f in (self._csv_file, self._jsonl):
-            if f:
-                f.flush()
 
     def on_train_end(self, logs=None):
+        self._close()
+
+    def _close(self) -> None:
         for f in (self._csv_file, self._jsonl, self._writer):
             if f:
                 f.close()
