@@ -46,9 +46,9 @@ class CommunicationMonitor(tf.keras.callbacks.Callback):
 
     Files are opened in `on_train_begin` (overwriting; what a `fit` that raised left
     open is closed first) and closed in `on_train_end`, and only the chief writes
-    them. Each row reaches its file as it is written, so a run that dies keeps them. CSV and JSON lines hold one row per batch (`kind`
-    "batch") and per epoch (`kind` "epoch") with `step` (training steps since train
-    begin), `epoch`, `wall_time_s` (since train begin), `loss`, `steps` (steps the row
+    them. Each row reaches its file as it is written, so a run that dies keeps them.
+    CSV and JSON lines hold one row per batch (`kind` "batch") and per epoch (`kind`
+    "epoch") with `step` (training steps since train begin), `epoch`, `wall_time_s` (since train begin), `loss`, `steps` (steps the row
     covers) and the numbers above; JSON lines also carry the other scalar Keras logs
     (accuracy, validation metrics), and write NaN as null. TensorBoard gets scalars
     `batch/<key>` (at the training step) and `epoch/<key>` (at the epoch).
