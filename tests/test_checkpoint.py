@@ -225,6 +225,45 @@ def test_loaded_state_that_no_variable_takes_is_kept_and_named(data, devices, ca
     np.testing.assert_array_equal(ops2._state.values()[key], saved[key])
 
 
+def test_state_of_another_plan_or_configuration_is_named_not_fatal(data, devices, caplog):
+    """Resuming with another bucket_bytes (other keys) names the loaded state that the
+    new plan does not take; another PowerSGD rank (same keys, other shapes) trains on
+    from fresh state with a warning instead of failing at the first step."""
+    x, y = data
+    ops = gs.CompressedAllReduce(gs.compression.get("powersgd", rank=2))
+    model = _model(tf.distribute.MirroredStrategy(devices, cross_device_ops=ops), ops)
+    model.fit(x[:BATCH], y[:BATCH], batch_size=BATCH, epochs=1, verbose=0)
+    saved = _state_values(ops)
+    keys = sorted(k for k in saved if k.startswith("powersgd_"))
+
+    other_plan = gs.CompressedAllReduce(gs.compression.get("powersgd", rank=2),
+                                        bucket_bytes=1 << 12)
+    model2 = _model(tf.distribute.MirroredStrategy(devices, cross_device_ops=other_plan),
+                    other_plan)
+    other_plan._state.assign(saved)
+    with caplog.at_level(logging.WARNING):
+        model2.fit(x[:BATCH], y[:BATCH], batch_size=BATCH, epochs=1, verbose=0)
+    assert (f"{len(keys)} loaded state values are of another compressor or bucket plan than "
+            f"the step just built ({keys[0]}") in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):      # named once, not at every trace
+        model2.fit(x[:BATCH], y[:BATCH], batch_size=BATCH, epochs=1, verbose=0)
+    assert "another compressor or bucket plan" not in caplog.text
+
+    other_rank = gs.CompressedAllReduce(gs.compression.get("powersgd", rank=1))
+    model3 = _model(tf.distribute.MirroredStrategy(devices, cross_device_ops=other_rank),
+                    other_rank)
+    other_rank._state.assign(saved)
+    with caplog.at_level(logging.WARNING):
+        model3.fit(x[:BATCH], y[:BATCH], batch_size=BATCH, epochs=1, verbose=0)
+    assert "is of another configuration of the compressor" in caplog.text
+    now = other_rank._state.values()
+    q = next(k for k in keys if saved[k].shape != now[k].shape)
+    assert f"the loaded value for {q} has shape {tuple(saved[q].shape)}" in caplog.text
+    assert other_rank.stats()["steps"] == ops.stats()["steps"] + 1    # the counters resume
+    assert all(np.isfinite(w).all() for w in model3.get_weights())
+
+
 def test_track_state_rejects_bad_input(devices):
     ops = gs.CompressedAllReduce("topk")
     model = tf.keras.Sequential([tf.keras.Input((3,)), tf.keras.layers.Dense(2)])

@@ -47,7 +47,9 @@ def track_state(model, ops: CompressedAllReduce) -> None:
     on every worker (step counter, PowerSGD's Q, adaptive decisions) resumes exactly;
     local state (residuals, DGC momentum) resumes with the chief's values. Loaded state
     that no variable takes (written by another version or configuration of the
-    compressor) is kept and saved again but restores nothing, and a warning names it.
+    compressor, or under another `bucket_bytes`) is kept and saved again but restores
+    nothing, and a warning names it; so does a loaded value of another shape (another
+    PowerSGD rank, say), whose variable starts from its initial value.
 
     Args:
       model: a Keras 3 or tf_keras model.

@@ -32,6 +32,7 @@ class _Pending:
     def __init__(self):
         self.values: dict[str, np.ndarray] = {}
         self.sealed: set[str] = set()      # key prefixes whose variables all exist
+        self.named: set[str] = set()       # keys a warning named as of another plan
 
 
 class SyncState(tf.Module):
@@ -60,10 +61,9 @@ class SyncState(tf.Module):
           device: where the variable lives.
 
         Returns:
-          The variable.
-
-        Raises:
-          ValueError: if a loaded value's shape does not match the new variable.
+          The variable: with the value loaded for `key`, unless that has another shape
+          (another configuration of the compressor: PowerSGD's rank, say), which a
+          warning names.
         """
         if key not in self._variables:
             # Created and inserted in the eager context: a deferred tf.train.Checkpoint
@@ -95,6 +95,20 @@ class SyncState(tf.Module):
         if prefix not in self._pending.sealed:
             self._pending.sealed.add(prefix)
             _warn_unclaimed([k for k in self._pending.values if k.startswith(prefix)])
+        # The rest waits for a plan of its own: another compressor's, or of other tensors
+        # or another bucket_bytes (keys hold both). A step over those may still come (a
+        # second model); if none does, their state is lost, so say so once.
+        others = sorted(k for k in self._pending.values if k not in self._pending.named
+                        and not any(k.startswith(p) for p in self._pending.sealed))
+        if others:
+            self._pending.named.update(others)
+            logging.warning(
+                "tf_gradsync: %d loaded state values are of another compressor or bucket "
+                "plan than the step just built (%s%s): unless a step over those tensors with "
+                "that compressor and bucket_bytes follows, they restore nothing, and the "
+                "state of this one (error feedback, momentum, warm starts) starts from its "
+                "initial values.", len(others), ", ".join(others[:4]),
+                ", ..." if len(others) > 4 else "")
 
     def assign(self, values: Mapping[str, np.ndarray]) -> None:
         """Assigns loaded values: now to existing variables, at creation to the others."""
@@ -122,8 +136,13 @@ def _warn_unclaimed(keys: list[str]) -> None:
 
 
 def _assign(var: tf.Variable, key: str, value: np.ndarray) -> None:
-    """Assigns a loaded value, which must have the variable's shape."""
+    """Assigns a loaded value of the variable's shape; warns of one of another shape,
+    written by another configuration of the compressor, and leaves the variable."""
     if tuple(value.shape) != tuple(var.shape):
-        raise ValueError(f"loaded value for {key!r} has shape {value.shape}, the variable "
-                         f"has {tuple(var.shape)}")
+        logging.warning(
+            "tf_gradsync: the loaded value for %s has shape %s, the variable %s: it is of "
+            "another configuration of the compressor (a rank or block size changed, say), "
+            "is not restored, and that state starts from its initial values.", key,
+            tuple(value.shape), tuple(var.shape))
+        return
     var.assign(value.astype(var.dtype.as_numpy_dtype))
