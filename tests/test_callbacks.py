@@ -327,6 +327,43 @@ def test_report_cli_plots_and_summarises_two_runs(runs, tmp_path):
     assert float(none[5]) == pytest.approx(runs["none"].history["loss"][-1], abs=1e-4)
 
 
+def test_report_reads_a_running_jobs_file_and_refuses_the_rest_in_a_line(runs, tmp_path,
+                                                                        capsys):
+    """A last line cut short (a job still writing, or killed) is skipped; files it
+    cannot read, a figure it cannot write and a bad window get one line each, exit 2;
+    the summary is printed before the figure is drawn; a file named twice gets two
+    names."""
+    whole = open(runs["fp16"].files["jsonl_path"], encoding="utf-8").read()
+    torn = tmp_path / "torn.jsonl"
+    torn.write_text(whole + whole.splitlines()[0][:30])
+    assert report.main([str(torn), "--out", str(tmp_path / "r.png")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[2].split()[:4] == ["torn", "8", "108", "2.00x"]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("{not json\n" + whole)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    for args, message in [([str(tmp_path / "missing.jsonl")], "report: [Errno 2]"),
+                          ([str(bad)], "bad.jsonl:1: not a JSON line"),
+                          ([str(empty)], "empty.jsonl: no batch records"),
+                          ([str(torn), "--out", "/no/such/dir/r.png"],
+                           "--out=/no/such/dir/r.png: folder '/no/such/dir' does not exist"),
+                          ([str(torn), "--smooth", "0"],
+                           "--smooth must be a window of 1 or more steps, got 0")]:
+        with pytest.raises(SystemExit) as e:
+            report.main([*args, "--out", str(tmp_path / "r.png")] if "--out" not in args
+                        else args)
+        assert e.value.code == 2
+        assert message in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        report.main([str(torn), "--out", str(tmp_path / "r.jpgg")])
+    out, err = capsys.readouterr()
+    assert "torn" in out and "--out=" in err and "jpgg" in err     # the summary came first
+    assert report.main([str(torn), str(torn), "--out", str(tmp_path / "r.png")]) == 0
+    rows = capsys.readouterr().out.splitlines()[2:4]
+    assert "torn (2)" not in rows[0] and "torn (2)" in rows[1]
+
+
 def test_report_without_matplotlib_says_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(ImportError, match=r"pip install 'tf_gradsync\[report\]'"):

@@ -33,18 +33,22 @@ def load_run(path: str, name: str | None = None) -> dict:
       A dict with `name`, `batches` and `epochs` (lists of records, by `kind`).
 
     Raises:
-      ValueError: if the file holds no batch records or a line is not JSON.
+      ValueError: if the file holds no batch records or a line before the last is not
+        JSON (a last line cut short, as a running or killed job leaves it, is skipped).
     """
     batches, epochs = [], []
     with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: not a JSON line ({e})") from None
-            (epochs if rec.get("kind") == "epoch" else batches).append(rec)
+        lines = f.readlines()
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            if n == len(lines) and not line.endswith("\n"):
+                break
+            raise ValueError(f"{path}:{n}: not a JSON line ({e})") from None
+        (epochs if rec.get("kind") == "epoch" else batches).append(rec)
     if not batches:
         raise ValueError(f"{path}: no batch records")
     stem = os.path.splitext(os.path.basename(path))[0]
@@ -158,7 +162,8 @@ def main(argv: Sequence[str] | None = None) -> int:
       argv: arguments without the program name (None: `sys.argv[1:]`).
 
     Returns:
-      The exit status, 0.
+      The exit status: 0, or 2 for files it cannot read or a figure it cannot write
+      (with a message; the summary is printed before the figure is drawn).
     """
     parser = argparse.ArgumentParser(prog="python -m tf_gradsync.report",
                                      description=__doc__.split("\n\n")[0])
@@ -167,10 +172,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--smooth", type=int, default=25,
                         help="rolling-median window for step times (default: %(default)s)")
     args = parser.parse_args(argv)
-    runs = [load_run(p) for p in args.runs]
+    if args.smooth < 1:
+        parser.error(f"--smooth must be a window of 1 or more steps, got {args.smooth}")
+    folder = os.path.dirname(os.path.abspath(args.out))
+    if not os.path.isdir(folder):
+        parser.error(f"--out={args.out}: folder {folder!r} does not exist")
+    try:
+        runs = [load_run(p) for p in args.runs]
+    except (OSError, ValueError) as e:
+        parser.exit(2, f"report: {e}\n")
     _disambiguate(runs, args.runs)
-    plot(runs, args.out, args.smooth)
-    print(format_table([summarise(r) for r in runs]))
+    print(format_table([summarise(r) for r in runs]), flush=True)
+    try:
+        plot(runs, args.out, args.smooth)
+    except ValueError as e:        # matplotlib's, for a format it does not write
+        parser.exit(2, f"report: --out={args.out}: {e}\n")
     print(f"figure: {args.out}")
     return 0
 
@@ -214,6 +230,11 @@ def _disambiguate(runs: list[dict], paths: Sequence[str]) -> None:
         if names.count(run["name"]) > 1:
             parent = os.path.basename(os.path.dirname(os.path.abspath(path)))
             run["name"] = f"{parent}/{run['name']}"
+    seen: dict[str, int] = {}
+    for run in runs:                # the same file given twice
+        seen[run["name"]] = seen.get(run["name"], 0) + 1
+        if seen[run["name"]] > 1:
+            run["name"] += f" ({seen[run['name']]})"
 
 
 if __name__ == "__main__":
