@@ -79,6 +79,29 @@ def test_an_output_in_a_missing_folder_is_refused_before_the_suite_runs(tmp_path
     assert "[bench] micro" not in out.stderr     # nothing was measured
 
 
+@pytest.mark.parametrize("args,message", [
+    (["micro", "--sizes=0"], "--sizes must be element counts >= 1"),
+    (["micro", "--repeats=0"], "flag --repeats=0: 0 is not a positive integer"),
+    (["micro", "--compressors=fp16,bogus"], "unknown compressor 'bogus'; valid names:"),
+    (["micro", "--compressors=topk:exchange=gather"], "micro times the compressor alone; "
+                                                       "exchange in 'topk:exchange=gather'"),
+    (["micro", "--micro_jit_compile=maybe"], "--micro_jit_compile takes true and/or false"),
+    (["passes", "--passes_shape=16"], "--passes_shape must be a kernel's two dimensions"),
+    (["single_host", "--rounds=0"], "flag --rounds=0: 0 is not a positive integer"),
+])
+def test_bad_flags_are_refused_before_anything_is_measured(args, message):
+    out = bench(*args, timeout=120)
+    assert out.returncode == 1
+    assert message in out.stderr, out.stderr[-2000:]
+    assert "[bench] micro" not in out.stderr and "Traceback" not in out.stderr
+
+
+def test_micro_takes_a_compressors_settings():
+    from tf_gradsync.bench import micro     # defines absl flags
+    row = micro.measure("topk:ratio=0.1", 1000, repeats=1)
+    assert row["compressor"] == "topk" and row["ratio"] == pytest.approx(5, rel=0.01)
+
+
 def test_table_format():
     # Imported here, not at module level: the bench's modules define absl flags.
     from tf_gradsync.bench.__main__ import table

@@ -41,8 +41,28 @@ def ops_from_spec(spec: str, **ops_kwargs):
       >>> ops_from_spec("sign:error_feedback=false").compressor.name
       'sign'
     """
-    import yaml  # pylint: disable=import-outside-toplevel
     import tf_gradsync as gs  # pylint: disable=import-outside-toplevel
+    name, kwargs = split_spec(spec)
+    # PowerSGD's own error_feedback argument belongs to the compressor.
+    error_feedback = kwargs.pop("error_feedback", None) if name != "powersgd" else None
+    for key in OPS_KEYS:
+        if key in kwargs:
+            ops_kwargs[key] = kwargs.pop(key)
+    return gs.CompressedAllReduce(gs.compression.get(name, **kwargs),
+                                  error_feedback=error_feedback, **ops_kwargs)
+
+
+#: Keys of a spec that go to `CompressedAllReduce` rather than to the compressor.
+OPS_KEYS = ("warmup_steps", "exchange", "guard", "bucket_bytes", "jit_compile")
+
+
+def split_spec(spec: str) -> tuple[str, dict]:
+    """`name:key=value:...` -> `(name, {key: value parsed as YAML})`.
+
+    Raises:
+      ValueError: for an argument without `=`.
+    """
+    import yaml  # pylint: disable=import-outside-toplevel
     name, *args = spec.split(":")
     kwargs = {}
     for arg in args:
@@ -51,10 +71,4 @@ def ops_from_spec(spec: str, **ops_kwargs):
             raise ValueError(f"bad compressor argument {arg!r} in {spec!r}; "
                              "expected name:key=value[:key=value...]")
         kwargs[key] = yaml.safe_load(value)
-    # PowerSGD's own error_feedback argument belongs to the compressor.
-    error_feedback = kwargs.pop("error_feedback", None) if name != "powersgd" else None
-    for key in ("warmup_steps", "exchange", "guard", "bucket_bytes", "jit_compile"):
-        if key in kwargs:
-            ops_kwargs[key] = kwargs.pop(key)
-    return gs.CompressedAllReduce(gs.compression.get(name, **kwargs),
-                                  error_feedback=error_feedback, **ops_kwargs)
+    return name, kwargs

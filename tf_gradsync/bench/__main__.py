@@ -27,7 +27,7 @@ import os
 
 from absl import app, flags
 
-from tf_gradsync.bench import figure
+from tf_gradsync.bench import figure, ops_from_spec
 # Suite modules define their flags when imported.
 from tf_gradsync.bench import (accuracy, cluster, micro, multiworker, passes,  # noqa: F401
                                single_host, timeline)
@@ -42,6 +42,9 @@ SUITES = {
     "timeline": "tf_gradsync.bench.timeline",
     "passes": "tf_gradsync.bench.passes",
 }
+
+#: --compressors entries that are modes of a suite, not compressors.
+MODES = ("stock", "compute", "autotune")
 
 flags.DEFINE_list("compressors", None, "Compressor names (default: depends on the suite).")
 flags.DEFINE_string("json", None, "Write the rows to this JSON file.")
@@ -76,12 +79,18 @@ def main(argv):
     if len(argv) != 2 or argv[1] not in SUITES:
         raise app.UsageError(f"usage: python -m tf_gradsync.bench {{{','.join(SUITES)}}} [flags]; "
                              f"got {argv[1:]!r}")
+    suite = importlib.import_module(SUITES[argv[1]])
+    # Everything that would fail after minutes of measuring is checked first.
     try:
         check_outputs(json=FLAGS.json, png=FLAGS.png, timeline_png=FLAGS.timeline_png)
+        for spec in FLAGS.compressors or ():
+            if spec not in MODES:
+                ops_from_spec(spec)
+        if hasattr(suite, "check"):
+            suite.check()
     except ValueError as e:
         raise app.UsageError(str(e)) from None
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    suite = importlib.import_module(SUITES[argv[1]])
     rows, cols = suite.run()
     print(table(rows, cols))
     if FLAGS.json:

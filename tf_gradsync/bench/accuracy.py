@@ -54,7 +54,7 @@ from absl import flags
 import tf_gradsync as gs
 from tf_gradsync.bench import ops_from_spec
 
-flags.DEFINE_integer("accuracy_epochs", 10, "accuracy: training epochs.")
+flags.DEFINE_integer("accuracy_epochs", 10, "accuracy: training epochs.", lower_bound=1)
 flags.DEFINE_float("target_accuracy", 0.95, "accuracy: test accuracy for time-to-accuracy.")
 flags.DEFINE_list("models", ["mlp", "cnn", "resnet"], "accuracy: architectures.")
 flags.DEFINE_list("optimizers", ["adam", "sgdm", "sgd"], "accuracy: optimizer recipes.")

@@ -42,7 +42,7 @@ from tf_gradsync.bench import KEEP_BUFFERS_ENV, multiworker, netns, ops_from_spe
 flags.DEFINE_list("cluster_workers", ["2", "4"], "cluster: worker counts.")
 flags.DEFINE_list("rate", ["1gbit"], "cluster: link rates, tc style (100mbit, 1gbit, 10gbit).")
 flags.DEFINE_string("delay", None, "cluster: one-way latency added to each link (needs netem).")
-flags.DEFINE_integer("cluster_timeout", 900, "cluster: seconds one run may take.")
+flags.DEFINE_integer("cluster_timeout", 900, "cluster: seconds one run may take.", lower_bound=1)
 flags.DEFINE_integer("rematch", 0, "cluster: with autotune, jobs of the fastest compressor row's "
                      "mode and of autotune run again, alternating, each this many times.")
 FLAGS = flags.FLAGS

@@ -13,10 +13,10 @@ import tensorflow as tf
 from absl import flags
 
 from tf_gradsync import compression, costmodel
-from tf_gradsync.bench import keep_freed_buffers
+from tf_gradsync.bench import OPS_KEYS, keep_freed_buffers, split_spec
 
 flags.DEFINE_list("sizes", ["1000000", "25000000"], "micro: bucket sizes (elements).")
-flags.DEFINE_integer("repeats", 5, "micro: timed repetitions.")
+flags.DEFINE_integer("repeats", 5, "micro: timed repetitions.", lower_bound=1)
 flags.DEFINE_list("micro_jit_compile", ["true"], "micro: compile the codecs with XLA where "
                   "they declare it (true), or not (false); both side by side: true,false.")
 flags.DEFINE_boolean("micro_data_path", False, "micro: time a bucket's whole data path as "
@@ -24,6 +24,8 @@ flags.DEFINE_boolean("micro_data_path", False, "micro: time a bucket's whole dat
                      "the compression error) instead of the codec alone.")
 flags.DEFINE_boolean("micro_keep_buffers", True, "micro: glibc keeps freed buffers for "
                      "reuse (keep_freed_buffers) instead of returning large ones to the kernel.")
+flags.register_validator("sizes", lambda v: all(s.isdigit() and int(s) > 0 for s in v),
+                         "micro: --sizes must be element counts >= 1 (e.g. 1000000,25000000)")
 FLAGS = flags.FLAGS
 #: Figure (see figure.py): GB/s per compressor, one bar per bucket size.
 PLOT = ("compressor", "gb_per_s", "GB/s of float32 input", "numel")
@@ -34,7 +36,7 @@ def measure(name, numel: int, repeats: int = 5, jit_compile: bool = True,
     """Median seconds per compress+decompress (or per call of the whole data path), GB/s
     of dense input, payload bytes, ratio (`costmodel.measure_throughput`; `name` a
     compressor's name or instance)."""
-    compressor = compression.get(name)
+    compressor = compressor_of(name)
     row = costmodel.measure_throughput(compressor, numel, repeats, data_path=data_path,
                                        jit_compile=jit_compile)
     sec, sent = row["seconds"], row["payload_bytes"]
@@ -42,6 +44,34 @@ def measure(name, numel: int, repeats: int = 5, jit_compile: bool = True,
     return {"compressor": compressor.name, "numel": numel, "jit_compile": jit_compile,
             "data_path": data_path, "seconds": sec, "ms": sec * 1e3,
             "gb_per_s": dense / sec / 1e9, "payload_bytes": sent, "ratio": dense / max(sent, 1)}
+
+
+def compressor_of(spec) -> compression.Compressor:
+    """The compressor a --compressors entry names (`name:key=value:...`, its own
+    settings only: micro times it alone), or an instance as it is.
+
+    Raises:
+      ValueError: for an unknown name or setting, or a setting of the ops.
+    """
+    if isinstance(spec, compression.Compressor):
+        return spec
+    name, kwargs = split_spec(spec)
+    ops_keys = sorted(set(kwargs) & {*OPS_KEYS, "error_feedback"} - (
+        {"error_feedback"} if name == "powersgd" else set()))
+    if ops_keys:
+        raise ValueError(f"micro times the compressor alone; {', '.join(ops_keys)} in {spec!r} "
+                         "set the ops (micro_data_path times a bucket's data path as they "
+                         "run it)")
+    return compression.get(name, **kwargs)
+
+
+def check() -> None:
+    """Refuses bad flag values before anything is measured."""
+    for text in FLAGS.micro_jit_compile:
+        if text.lower() not in ("true", "false"):
+            raise ValueError(f"--micro_jit_compile takes true and/or false, got {text!r}")
+    for spec in FLAGS.compressors or ():
+        compressor_of(spec)
 
 
 def copy_seconds(numel: int, repeats: int = 5) -> float:
@@ -57,11 +87,8 @@ def run() -> tuple[list[dict], list[str]]:
     tf.config.threading.set_inter_op_parallelism_threads(1)
     allocation = "kept" if FLAGS.micro_keep_buffers and keep_freed_buffers() else "default"
     rows = []
-    modes = []
-    for text in FLAGS.micro_jit_compile:
-        if text.lower() not in ("true", "false"):
-            raise ValueError(f"--micro_jit_compile takes true and/or false, got {text!r}")
-        modes.append(text.lower() == "true")
+    check()
+    modes = [text.lower() == "true" for text in FLAGS.micro_jit_compile]
     copy_gb_per_s = {}
     for size in map(int, FLAGS.sizes):
         sec = copy_seconds(size, FLAGS.repeats)

@@ -22,15 +22,15 @@ from absl import flags
 
 from tf_gradsync.bench import KEEP_BUFFERS_ENV, models, ops_from_spec
 
-flags.DEFINE_integer("workers", 2, "multiworker: number of local workers.")
-flags.DEFINE_integer("params", 25_000_000, "multiworker, cluster: model parameters.")
-flags.DEFINE_integer("steps", 10, "multiworker, cluster: timed steps per run.")
+flags.DEFINE_integer("workers", 2, "multiworker: number of local workers.", lower_bound=1)
+flags.DEFINE_integer("params", 25_000_000, "multiworker, cluster: model parameters.", lower_bound=1)
+flags.DEFINE_integer("steps", 10, "multiworker, cluster: timed steps per run.", lower_bound=1)
 flags.DEFINE_enum("model", "dense", list(models.NAMES),
                   "multiworker, cluster: dense (--params weights in one layer), mlp (in "
                   "four), resnet50 or transformer.")
 flags.DEFINE_integer("batch", None, "multiworker, cluster: examples per worker and step "
                      "(default: 16; resnet50 8, transformer 8 sequences).")
-flags.DEFINE_integer("image_size", 224, "multiworker, cluster: resnet50 image size.")
+flags.DEFINE_integer("image_size", 224, "multiworker, cluster: resnet50 image size.", lower_bound=1)
 FLAGS = flags.FLAGS
 #: The mode whose ops `tf_gradsync.autotune` chooses.
 AUTOTUNE = "autotune"

@@ -34,6 +34,10 @@ from tf_gradsync.pipeline import SCOPE
 
 flags.DEFINE_list("passes_shape", ["1024", "1000"], "passes: the kernel's shape (plus a "
                   "bias; together one bucket at the default bucket_bytes).")
+flags.register_validator("passes_shape",
+                         lambda v: len(v) == 2 and all(s.isdigit() and int(s) > 0 for s in v),
+                         "passes: --passes_shape must be a kernel's two dimensions >= 1 "
+                         "(e.g. 1024,1000)")
 FLAGS = flags.FLAGS
 
 COLUMNS = ["mode", "touched_per_byte", "without_error", "pack_unpack", "unknown_ops"]

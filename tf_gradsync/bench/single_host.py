@@ -35,11 +35,14 @@ from tf_gradsync.bench import ops_from_spec
 flags.DEFINE_list("stock_ops", ["r1d", "default", "hier"],
                   "single_host: TensorFlow cross-device ops to time (r1d = ReductionToOneDevice, "
                   "default = MirroredStrategy's choice, hier = HierarchicalCopyAllReduce).")
-flags.DEFINE_integer("width", 1024, "single_host: inputs and units of each hidden Dense layer.")
-flags.DEFINE_integer("layers", 3, "single_host: hidden Dense layers (then a Dense(10) head).")
-flags.DEFINE_integer("global_batch", 64, "single_host: global batch size.")
-flags.DEFINE_integer("rounds", 10, "single_host: round-robin rounds over the modes.")
-flags.DEFINE_integer("steps_per_round", 10, "single_host: timed steps of each mode per round.")
+flags.DEFINE_integer("width", 1024, "single_host: inputs and units of each hidden Dense layer.",
+                     lower_bound=1)
+flags.DEFINE_integer("layers", 3, "single_host: hidden Dense layers (then a Dense(10) head).",
+                     lower_bound=1)
+flags.DEFINE_integer("global_batch", 64, "single_host: global batch size.", lower_bound=1)
+flags.DEFINE_integer("rounds", 10, "single_host: round-robin rounds over the modes.", lower_bound=1)
+flags.DEFINE_integer("steps_per_round", 10, "single_host: timed steps of each mode per round.",
+                     lower_bound=1)
 flags.DEFINE_integer("bucket_bytes", None, "single_host: bucket_bytes of ours (default: the "
                      "CompressedAllReduce default).")
 FLAGS = flags.FLAGS

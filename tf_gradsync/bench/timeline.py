@@ -38,9 +38,9 @@ from tf_gradsync import _tf_compat
 from tf_gradsync.bench import ops_from_spec, single_host
 from tf_gradsync.pipeline import SCOPE
 
-flags.DEFINE_integer("timeline_steps", 5, "timeline: profiled steps per mode.")
+flags.DEFINE_integer("timeline_steps", 5, "timeline: profiled steps per mode.", lower_bound=1)
 flags.DEFINE_integer("timeline_replicas", 2, "timeline: logical CPU devices (replicas); one per "
-                     "core runs them side by side, as GPUs do.")
+                     "core runs them side by side, as GPUs do.", lower_bound=1)
 flags.DEFINE_string("timeline_png", None, "timeline: draw one step of each mode to this PNG.")
 FLAGS = flags.FLAGS
 
