@@ -182,6 +182,28 @@ def test_bad_yaml_names_the_file(tmp_path):
         gs.load_config(path)
 
 
+@pytest.mark.parametrize("text,message", [
+    ("compression: topk\ncompression_options: {ratio: 5}\n",
+     "preset.yaml: compression_options of topk: ratio must be in (0, 1], got 5"),
+    ("compression: fp16\nbucket_bytes: 4MiB\n",
+     "preset.yaml: bucket_bytes must be a positive integer, got '4MiB'"),
+    ("compression: fp16\nbucket_size: 1024\n", "preset.yaml: unknown config keys ['bucket_size']"),
+    ("compression: fp16\ncompression: topk\n",
+     "preset.yaml: key 'compression' is given twice (line 1)"),
+    ("", "preset.yaml: the preset is empty; give at least `compression: NAME`"),
+    ("compression: none\nerror_feedback: true\n",
+     "preset.yaml: NoCompression() sends every value exactly"),
+])
+def test_a_preset_file_names_itself_and_the_key(tmp_path, text, message):
+    """Every error of a preset file starts with its path; nothing is silently dropped (a
+    key given twice) or assumed (an empty file)."""
+    path = tmp_path / "preset.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError) as e:
+        gs.load_config(path)
+    assert str(e.value).startswith(str(path)) and message in str(e.value), str(e.value)
+
+
 # ------------------------------------------------------------ TF_CONFIG
 EXAMPLE_CLUSTER = {"worker": ["127.0.0.1:2222", "127.0.0.1:2223"]}
 TF_CONFIGS = [

@@ -57,7 +57,12 @@ class SyncConfig:
                              f"values, got {self.compression_options!r}")
         # Built once here so that a bad option fails when the preset is read, not later
         # when the ops are created; compressors are plain Python objects, cheap to build.
-        compression.get(self.compression, **dict(self.compression_options))
+        try:
+            built = compression.get(self.compression, **dict(self.compression_options))
+        except ValueError as e:
+            raise ValueError(f"compression_options of {self.compression}: {e}") from None
+        compression.with_error_feedback(built, self.error_feedback if isinstance(
+            self.error_feedback, bool) else None)
         check_settings(error_feedback=self.error_feedback, bucket_bytes=self.bucket_bytes,
                        algorithm=self.algorithm, exchange=self.exchange,
                        timeout_seconds=self.timeout_seconds, warmup_steps=self.warmup_steps,
@@ -124,30 +129,59 @@ def parse_config(source: str | os.PathLike | Mapping[str, Any]) -> SyncConfig:
 
     Raises:
       ValueError: for a source that is neither a path nor a mapping, YAML that does not
-        parse (or asks for Python objects: files are read with `yaml.safe_load`), unknown
-        keys (listing the valid ones) or bad values.
+        parse (or asks for Python objects: files are read with `yaml.safe_load`), an
+        empty file, a key given twice, unknown keys (listing the valid ones) or bad
+        values; a file's errors start with its path.
       FileNotFoundError: for a missing file.
     """
     if isinstance(source, Mapping):
-        data = dict(source)
-    elif isinstance(source, (str, os.PathLike)):
-        import yaml  # pylint: disable=import-outside-toplevel  (~20 ms; only for files)
-        with open(source, encoding="utf-8") as f:
-            try:
-                data = yaml.safe_load(f) or {}
-            except yaml.YAMLError as e:
-                raise ValueError(f"{os.fspath(source)}: not a valid YAML preset (plain YAML "
-                                 f"mappings only): {e}") from None
-        if not isinstance(data, dict):
-            raise ValueError(f"{os.fspath(source)}: a preset must be a YAML mapping, "
-                             f"got {type(data).__name__}")
-    else:
+        return _validated(dict(source))
+    if not isinstance(source, (str, os.PathLike)):
         raise ValueError(f"a preset is a YAML path or a mapping, got {source!r}")
+    path = os.fspath(source)
+    with open(source, encoding="utf-8") as f:
+        text = f.read()
+    try:
+        data = _load_yaml(text)
+        if data is None:
+            raise ValueError("the preset is empty; give at least `compression: NAME`")
+        if not isinstance(data, dict):
+            raise ValueError(f"a preset must be a YAML mapping, got {type(data).__name__}")
+        return _validated(data)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+
+
+def _validated(data: dict) -> SyncConfig:
     valid = [f.name for f in dataclasses.fields(SyncConfig)]
     unknown = sorted(set(data) - set(valid), key=str)
     if unknown:
         raise ValueError(f"unknown config keys {unknown}; valid keys: {', '.join(valid)}")
     return SyncConfig(**data)
+
+
+def _load_yaml(text: str):
+    """`yaml.safe_load`, refusing a key given twice in one mapping (YAML keeps the last
+    one silently)."""
+    import yaml  # pylint: disable=import-outside-toplevel  (~20 ms; only for files)
+
+    class Loader(yaml.SafeLoader):     # pylint: disable=too-many-ancestors
+        pass
+
+    def mapping(loader, node, deep=False):
+        keys = [loader.construct_object(k, deep=deep) for k, _ in node.value]
+        twice = sorted({str(k) for k in keys if keys.count(k) > 1})
+        if twice:
+            raise ValueError(f"key {twice[0]!r} is given twice (line {node.start_mark.line + 1})")
+        return loader.construct_mapping(node, deep)
+    Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
+    loader = Loader(text)                           # a SafeLoader: no Python objects
+    try:
+        return loader.get_single_data()
+    except yaml.YAMLError as e:
+        raise ValueError(f"not a valid YAML preset (plain YAML mappings only): {e}") from None
+    finally:
+        loader.dispose()
 
 
 def load_config(source: str | os.PathLike | Mapping[str, Any]):
