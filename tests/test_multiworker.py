@@ -2,7 +2,9 @@
 
 import glob
 import json
+import os
 import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -11,7 +13,7 @@ import tensorflow as tf
 import tf_gradsync as gs
 import multiworker_digits  # examples/multiworker_digits.py
 import train_digits
-from _multiworker import PARAMS, assert_same_weights, launch, results
+from _multiworker import PARAMS, ROOT, assert_same_weights, launch, results
 
 
 @pytest.fixture(scope="module")
@@ -111,6 +113,62 @@ def test_dead_worker_fails_the_job_in_bounded_time(tmp_path):
     assert not glob.glob(str(out / "result_*.json"))
     left = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True).stdout
     assert left.strip() == "", f"orphan workers: {left}"
+
+
+_STALLING_WORKER = """
+import os, sys, time
+import numpy as np
+import tensorflow as tf
+import tf_gradsync as gs
+keras = tf.keras
+ops = gs.CompressedAllReduce("fp16", timeout_seconds=float(sys.argv[1]))
+strategy = gs.MultiWorkerMirroredStrategy(cross_device_ops=ops)   # no CommunicationOptions
+rank = strategy.worker_index
+x = np.random.RandomState(0).randn(512, 8).astype("float32")
+y = (x[:, 0] > 0).astype("int32")
+with strategy.scope():
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(2)])
+    model.compile(keras.optimizers.SGD(0.1), keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True), metrics=["accuracy"])
+
+class Stall(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        if rank == 1 and batch == 3:
+            time.sleep(600)
+
+start = time.monotonic()
+try:
+    model.fit(x, y, batch_size=32, epochs=20, verbose=0, callbacks=[Stall()])
+    print("RESULT finished", flush=True)
+except Exception as e:
+    print("RESULT raised", type(e).__name__, round(time.monotonic() - start, 1), flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_a_stuck_peer_fails_fit_within_the_ops_timeout(tmp_path):
+    """Under model.fit a peer that is alive but stuck also stalls the metrics'
+    collectives, which are TensorFlow's: the ops' timeout_seconds bounds them as well,
+    without CommunicationOptions (the survivor waited as long as the peer slept)."""
+    from tf_gradsync import launch as launcher
+    cluster = [f"127.0.0.1:{p}" for p in launcher.free_ports(2)]
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2",
+                   TF_NUM_INTRAOP_THREADS="1", TF_CONFIG=json.dumps({"cluster": {"worker": cluster},
+                                         "task": {"type": "worker", "index": rank}}))
+        procs.append(subprocess.Popen([sys.executable, "-c", _STALLING_WORKER, "8"], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True))
+    try:
+        out, _ = procs[0].communicate(timeout=120)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    result = [l.split() for l in out.splitlines() if l.startswith("RESULT")]
+    assert result and result[-1][1] == "raised", out[-3000:]
+    assert result[-1][2] == "DeadlineExceededError", out[-3000:]
 
 
 #: Summed (hierarchical: shards between workers), gathered, and two-phase payloads;

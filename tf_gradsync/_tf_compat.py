@@ -94,6 +94,16 @@ def cross_device_ops_of(strategy) -> object:
     return getattr(strategy.extended, "_cross_device_ops", None)
 
 
+def bound_collectives(strategy, seconds: float | None) -> None:
+    """Makes the collectives TensorFlow's multi-worker strategy runs itself (metrics,
+    losses, what is not compressed) fail after `seconds` without their peers, unless its
+    `CommunicationOptions` set a timeout: its ops and its reductions share one options
+    object, read as each collective is built."""
+    options = getattr(strategy.extended, "_communication_options", None)
+    if seconds and options is not None and options.timeout_seconds is None:
+        options.timeout_seconds = seconds
+
+
 def worker_position(strategy) -> tuple[int, int]:
     """`(index, count)`: this worker's place among the job's workers, as TensorFlow numbers
     them for its collectives (a chief first: the chief is 0 and worker i is i + 1, so

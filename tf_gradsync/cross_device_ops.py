@@ -146,6 +146,10 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
     def jit_compile(self) -> bool:
         return self._pipeline.jit_compile
 
+    @property
+    def timeout_seconds(self) -> float | None:
+        return self._pipeline.timeout or None
+
     def bucket_exchange(self, layout, members: int) -> str:
         """How a bucket laid out as `layout` (a `compression.Layout`) travels among
         `members` replicas: "all-reduce" (summable payloads), "gather" or "two_phase"

@@ -39,7 +39,9 @@ class MultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
       cluster_resolver: as for `tf.distribute.MultiWorkerMirroredStrategy` (default:
         TF_CONFIG).
       communication_options: as for `tf.distribute.MultiWorkerMirroredStrategy`; its
-        `timeout_seconds` bounds how long a collective waits for a dead peer.
+        `timeout_seconds` bounds how long a collective waits for a dead peer. Without
+        one, the `timeout_seconds` of `cross_device_ops` bounds TensorFlow's own
+        collectives too (metrics, values not compressed).
 
     Raises:
       ValueError: if `cross_device_ops` is not a `CompressedAllReduce`, an argument has
@@ -90,6 +92,9 @@ class MultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
             raise ValueError(f"cross_device_ops must be a tf_gradsync.CompressedAllReduce, "
                              f"got {ops!r}")
         ops.join_cluster(self.num_workers, self._exact_ops, self.worker_index)
+        # Under model.fit a stuck peer also stalls the metrics' collectives, which are
+        # TensorFlow's: the ops' timeout bounds them too.
+        _tf_compat.bound_collectives(self, ops.timeout_seconds)
         _tf_compat.set_cross_device_ops(self, ops)
         _tf_compat.use_merge_call_for_all_reduce(self.extended)
 
