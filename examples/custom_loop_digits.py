@@ -28,10 +28,11 @@ def define_flags():
     # Defined only when run as a program: tests import this module.
     flags.DEFINE_string("compression", "topk", "Registered compressor name.")
     flags.DEFINE_enum("model", "cnn", list(train_digits.MODELS), "Architecture.")
-    flags.DEFINE_integer("epochs", 10, "Training epochs.")
-    flags.DEFINE_integer("devices", 4, "Logical CPU devices (replicas).")
-    flags.DEFINE_integer("batch_size", 64, "Global batch size.")
+    flags.DEFINE_integer("epochs", 10, "Training epochs.", lower_bound=1)
+    flags.DEFINE_integer("devices", 4, "Logical CPU devices (replicas).", lower_bound=1)
+    flags.DEFINE_integer("batch_size", 64, "Global batch size.", lower_bound=1)
     flags.DEFINE_string("jsonl", None, "JSON-lines file for StepMonitor, or none.")
+    train_digits.check_batch_flags()
 
 
 def train(strategy, ops, model_name: str, epochs: int, batch_size: int, jsonl=None,

@@ -30,10 +30,11 @@ def define_flags():
     flags.DEFINE_enum("model", "resnet50", ["resnet50", "transformer"], "Workload.")
     flags.DEFINE_string("compression", "fp16", "A compressor spec (name:key=value...), or "
                         "'stock' for TensorFlow's own cross-device ops.")
-    flags.DEFINE_integer("devices", 2, "Logical CPU devices when there is no TF_CONFIG.")
-    flags.DEFINE_integer("batch", 8, "Examples per replica and step.")
-    flags.DEFINE_integer("image_size", 224, "ResNet-50 input size.")
-    flags.DEFINE_integer("steps", 10, "Timed steps (after one untimed step).")
+    flags.DEFINE_integer("devices", 2, "Logical CPU devices when there is no TF_CONFIG.",
+                         lower_bound=1)
+    flags.DEFINE_integer("batch", 8, "Examples per replica and step.", lower_bound=1)
+    flags.DEFINE_integer("image_size", 224, "ResNet-50 input size.", lower_bound=32)
+    flags.DEFINE_integer("steps", 10, "Timed steps (after one untimed step).", lower_bound=1)
 
 
 def main(argv):

@@ -31,9 +31,9 @@ def define_flags():
     flags.DEFINE_string("compression", "fp16", "Registered compressor name.")
     flags.DEFINE_string("config", None, "YAML preset (overrides --compression).")
     flags.DEFINE_enum("model", "mlp", list(MODELS), "Architecture.")
-    flags.DEFINE_integer("devices", 4, "Logical CPU devices (replicas).")
-    flags.DEFINE_integer("epochs", 30, "Training epochs.")
-    flags.DEFINE_integer("batch_size", 64, "Global batch size.")
+    flags.DEFINE_integer("devices", 4, "Logical CPU devices (replicas).", lower_bound=1)
+    flags.DEFINE_integer("epochs", 30, "Training epochs.", lower_bound=1)
+    flags.DEFINE_integer("batch_size", 64, "Global batch size.", lower_bound=1)
     flags.DEFINE_integer("seed", 0, "Random seed.")
     flags.DEFINE_enum("optimizer", "adam", ["adam", "sgd"], "Optimizer.")
     flags.DEFINE_float("learning_rate", None, "Learning rate (default: adam 1e-3, sgd 0.05, "
@@ -41,7 +41,28 @@ def define_flags():
     flags.DEFINE_float("momentum", 0.9, "SGD momentum, or Adam's beta_1 (0 for compressors "
                        "that apply their own, such as dgc).")
     flags.DEFINE_string("tensorboard_dir", None, "Write the monitor's scalars for TensorBoard.")
-    flags.DEFINE_integer("verbose", 1, "Keras verbosity: 1 progress bar, 2 a line per epoch, 0 none.")
+    flags.DEFINE_enum("verbose", "1", ["0", "1", "2"],
+                      "Keras verbosity: 1 progress bar, 2 a line per epoch, 0 none.")
+    flags.register_validator("learning_rate", lambda r: r is None or r > 0,
+                             "--learning_rate must be > 0")
+    flags.register_validator("config", lambda p: p is None or os.path.isfile(p),
+                             "--config: no such file")
+    check_batch_flags()
+
+
+#: Images in the training split of `load_data`.
+TRAIN_SIZE = 1437
+
+
+def check_batch_flags() -> None:
+    """Registers the check of --batch_size against --devices: the replicas share a
+    global batch equally, and a batch past the training set leaves no full step."""
+    def ok(f):
+        return f["batch_size"] % f["devices"] == 0 and f["batch_size"] <= TRAIN_SIZE
+    flags.register_multi_flags_validator(
+        ["batch_size", "devices"], ok,
+        f"--batch_size must be a multiple of --devices (the replicas share it equally) and "
+        f"at most {TRAIN_SIZE}, the training images")
 
 
 def load_data(seed: int = 0):
@@ -228,7 +249,7 @@ def main(argv):
     start = time.perf_counter()
     _, acc = train(strategy, tf.keras, FLAGS.epochs, FLAGS.batch_size, FLAGS.seed,
                    optimizer=optimizer, model=FLAGS.model, callbacks=[monitor],
-                   verbose=FLAGS.verbose)
+                   verbose=int(FLAGS.verbose))
     seconds = time.perf_counter() - start
     s = ops.stats()
     print()

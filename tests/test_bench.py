@@ -102,6 +102,38 @@ def test_micro_takes_a_compressors_settings():
     assert row["compressor"] == "topk" and row["ratio"] == pytest.approx(5, rel=0.01)
 
 
+def test_a_train_step_under_tensorflows_own_ops_makes_its_slots_first(devices):
+    """SGD's momentum slots are made before the step traces: made inside it, under
+    MirroredStrategy's own ops, they fed a placeholder nothing fills (the synthetic
+    benchmark's stock baseline failed on one host)."""
+    import tensorflow as tf
+    from tf_gradsync.bench import models
+    strategy = tf.distribute.MirroredStrategy(devices[:2])
+    with strategy.scope():
+        work = models.build("dense", 4, params=4096)
+        opt = tf.keras.optimizers.SGD(0.01, momentum=0.9)
+    before = [v.numpy().copy() for v in work.model.trainable_variables]
+    step = work.train_step(strategy, opt)
+    assert np.isfinite(float(step())) and np.isfinite(float(step()))
+    assert any(not np.array_equal(b, v.numpy())
+               for b, v in zip(before, work.model.trainable_variables))
+
+
+def test_examples_refuse_bad_flags_before_training():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root, TF_CPP_MIN_LOG_LEVEL="3")
+    for script, args, message in [
+            ("train_digits.py", ["--batch_size=6"], "--batch_size must be a multiple of "
+                                                    "--devices"),
+            ("train_digits.py", ["--learning_rate=-1"], "--learning_rate must be > 0"),
+            ("train_digits.py", ["--config=/no/such.yaml"], "--config: no such file"),
+            ("custom_loop_digits.py", ["--batch_size=2000"], "at most 1437, the training images"),
+            ("synthetic_benchmark.py", ["--steps=0"], "flag --steps=0: 0 is not a positive")]:
+        out = subprocess.run([sys.executable, os.path.join(root, "examples", script), *args],
+                             env=env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 1 and message in out.stderr, (script, out.stderr[-2000:])
+
+
 def test_table_format():
     # Imported here, not at module level: the bench's modules define absl flags.
     from tf_gradsync.bench.__main__ import table

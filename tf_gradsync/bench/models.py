@@ -51,6 +51,12 @@ class Workload:
         """A `tf.function` running one training step on every replica; it returns the
         loss summed over replicas."""
         import tensorflow as tf  # pylint: disable=import-outside-toplevel
+        # Slots made up front, in the strategy's scope: made while the step traces,
+        # under TensorFlow's own MirroredStrategy ops, they fed a placeholder that
+        # nothing fills.
+        if not getattr(optimizer, "built", False):
+            with strategy.scope():
+                optimizer.build(self.model.trainable_variables)
 
         @tf.function
         def step():
