@@ -158,9 +158,11 @@ CASES = [
 ]
 
 
-def test_numpy_integers_are_integers():
-    ops = gs.CompressedAllReduce("fp16", warmup_steps=np.int64(3), bucket_bytes=np.int64(1024))
+def test_numpy_numbers_are_numbers():
+    ops = gs.CompressedAllReduce("fp16", warmup_steps=np.int64(3), bucket_bytes=np.int64(1024),
+                                 timeout_seconds=np.float32(5))
     assert ops.compressor.steps == 3 and type(ops.compressor.steps) is int
+    assert ops.timeout_seconds == 5.0 and type(ops.timeout_seconds) is float
 
 
 @pytest.mark.parametrize("fn,needles", CASES)

@@ -104,7 +104,7 @@ def check_settings(*, error_feedback=None, bucket_bytes=DEFAULT_BUCKET_BYTES, al
             or warmup_steps < 0):
         raise ValueError(f"warmup_steps must be a non-negative integer, got {warmup_steps!r}")
     if timeout_seconds is not None and (
-            isinstance(timeout_seconds, bool) or not isinstance(timeout_seconds, (int, float))
+            isinstance(timeout_seconds, bool) or not isinstance(timeout_seconds, numbers.Real)
             or not 0 < timeout_seconds < math.inf):
         raise ValueError("timeout_seconds must be a positive, finite number of seconds or "
                          f"None (null in YAML), got {timeout_seconds!r}")

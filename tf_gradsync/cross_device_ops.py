@@ -103,7 +103,7 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
         self._state = SyncState()
         self._stats = Stats(self._state)
         self._pipeline = Pipeline(self._compressor, self._algorithm, bucket_bytes,
-                                  self._stats, self._state, timeout_seconds or 0,
+                                  self._stats, self._state, float(timeout_seconds or 0),
                                   measure_error, exchange, jit_compile)
         self._exact_ops = None
 
