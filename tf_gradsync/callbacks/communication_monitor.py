@@ -48,9 +48,10 @@ class CommunicationMonitor(tf.keras.callbacks.Callback):
     open is closed first) and closed in `on_train_end`, and only the chief writes
     them. Each row reaches its file as it is written, so a run that dies keeps them.
     CSV and JSON lines hold one row per batch (`kind` "batch") and per epoch (`kind`
-    "epoch") with `step` (training steps since train begin), `epoch`, `wall_time_s` (since train begin), `loss`, `steps` (steps the row
-    covers) and the numbers above; JSON lines also carry the other scalar Keras logs
-    (accuracy, validation metrics), and write NaN as null. TensorBoard gets scalars
+    "epoch") with `step` (training steps since train begin), `epoch`, `wall_time_s`
+    (since train begin), `loss`, `steps` (steps the row covers) and the numbers above;
+    JSON lines also carry the other scalar Keras logs (accuracy, validation metrics),
+    and write NaN as null. TensorBoard gets scalars
     `batch/<key>` (at the training step) and `epoch/<key>` (at the epoch).
 
     Works with Keras 3 and with tf_keras (`TF_USE_LEGACY_KERAS=1`): the base class is
