@@ -197,8 +197,11 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
         return self._compressor.adapt_optimizer(optimizer)
 
     def stats(self) -> dict[str, float]:
-        """Communication counters; see `tf_gradsync.stats.Stats.as_dict`."""
-        return self._stats.as_dict()
+        """Communication counters (see `tf_gradsync.stats.Stats.as_dict`), and what the
+        compressor reports from its state (`Compressor.report`: a guard's
+        `guarded_buckets` and `fallback_buckets`)."""
+        return {**self._stats.as_dict(),
+                **self._compressor.report(self._pipeline.bucket_states())}
 
     def reset_stats(self) -> None:
         self._stats.reset()

@@ -75,6 +75,10 @@ class SyncState(tf.Module):
                 self._variables[key] = var
         return self._variables[key]
 
+    def get(self, key: str) -> tf.Variable | None:
+        """The variable `key`, or None before it is created."""
+        return self._variables.get(key)
+
     def __contains__(self, key: str) -> bool:
         return key in self._variables
 

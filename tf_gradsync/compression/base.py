@@ -322,6 +322,13 @@ class Compressor(abc.ABC):
         del layout
         return {}
 
+    def report(self, states: Sequence[Mapping[str, tf.Variable]]) -> dict[str, float]:
+        """Numbers for `CompressedAllReduce.stats()` read from its state: `states` holds
+        one replica's state of each bucket built so far (`state_spec`'s names). None by
+        default; `Guard` counts the buckets it sends with its fallback."""
+        del states
+        return {}
+
     def rounds(self, x: tf.Tensor, ctx: Context) -> Rounds:
         """The round protocol: yields `Message`s, receives them exchanged, returns the sum.
 

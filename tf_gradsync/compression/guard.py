@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Any
+from typing import Any, Mapping, Sequence
 
 import tensorflow as tf
 
@@ -119,6 +119,13 @@ class Guard(Compressor):
                      "error_sum": StateSpec((), tf.float32), "count": StateSpec((), tf.int64),
                      "level": StateSpec((), tf.int32, _zero_int)})
         return spec
+
+    def report(self, states: Sequence[Mapping[str, tf.Variable]]) -> dict[str, float]:
+        """`guarded_buckets` (buckets built so far) and `fallback_buckets` (those sent
+        with the fallback now, as this replica's state says; every replica's agrees)."""
+        levels = [int(s["level"].numpy()) for s in states]
+        return {"guarded_buckets": len(levels),
+                "fallback_buckets": sum(level > 0 for level in levels)}
 
     @staticmethod
     def _sub(ctx: Context, prefix: str, mode: int) -> Context:
