@@ -102,21 +102,31 @@ def test_micro_takes_a_compressors_settings():
     assert row["compressor"] == "topk" and row["ratio"] == pytest.approx(5, rel=0.01)
 
 
-def test_a_train_step_under_tensorflows_own_ops_makes_its_slots_first(devices):
+def test_a_train_step_under_tensorflows_own_ops_makes_its_slots_first():
     """SGD's momentum slots are made before the step traces: made inside it, under
     MirroredStrategy's own ops, they fed a placeholder nothing fills (the synthetic
-    benchmark's stock baseline failed on one host)."""
-    import tensorflow as tf
-    from tf_gradsync.bench import models
-    strategy = tf.distribute.MirroredStrategy(devices[:2])
-    with strategy.scope():
-        work = models.build("dense", 4, params=4096)
-        opt = tf.keras.optimizers.SGD(0.01, momentum=0.9)
-    before = [v.numpy().copy() for v in work.model.trainable_variables]
-    step = work.train_step(strategy, opt)
-    assert np.isfinite(float(step())) and np.isfinite(float(step()))
-    assert any(not np.array_equal(b, v.numpy())
-               for b, v in zip(before, work.model.trainable_variables))
+    benchmark's stock baseline failed on one host). In a fresh interpreter: TensorFlow's
+    own collectives there keep process-wide keys that would clash with other tests'."""
+    script = textwrap.dedent("""
+        import numpy as np, tensorflow as tf, tf_gradsync as gs
+        from tf_gradsync.bench import models
+        strategy = tf.distribute.MirroredStrategy(gs.logical_cpus(2))
+        with strategy.scope():
+            work = models.build("dense", 4, params=4096)
+            opt = tf.keras.optimizers.SGD(0.01, momentum=0.9)
+        before = [v.numpy().copy() for v in work.model.trainable_variables]
+        step = work.train_step(strategy, opt)
+        losses = [float(step()), float(step())]
+        moved = any(not np.array_equal(b, v.numpy())
+                    for b, v in zip(before, work.model.trainable_variables))
+        print("RESULT", all(np.isfinite(losses)), moved)
+    """)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         env=dict(os.environ, PYTHONPATH=root, TF_CPP_MIN_LOG_LEVEL="2"),
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "RESULT True True" in out.stdout
 
 
 def test_examples_refuse_bad_flags_before_training():
