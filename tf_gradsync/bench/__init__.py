@@ -42,22 +42,19 @@ def ops_from_spec(spec: str, **ops_kwargs):
       'sign'
     """
     import tf_gradsync as gs  # pylint: disable=import-outside-toplevel
-    name, kwargs = split_spec(spec)
-    # PowerSGD's own error_feedback argument belongs to the compressor.
-    error_feedback = kwargs.pop("error_feedback", None) if name != "powersgd" else None
-    for key in OPS_KEYS:
-        if key in kwargs:
-            ops_kwargs[key] = kwargs.pop(key)
-    return gs.CompressedAllReduce(gs.compression.get(name, **kwargs),
-                                  error_feedback=error_feedback, **ops_kwargs)
+    name, kwargs, ops = split_spec(spec)
+    return gs.CompressedAllReduce(gs.compression.get(name, **kwargs), **{**ops_kwargs, **ops})
 
 
 #: Keys of a spec that go to `CompressedAllReduce` rather than to the compressor.
-OPS_KEYS = ("warmup_steps", "exchange", "guard", "bucket_bytes", "jit_compile")
+OPS_KEYS = ("error_feedback", "warmup_steps", "exchange", "guard", "bucket_bytes",
+            "jit_compile")
 
 
-def split_spec(spec: str) -> tuple[str, dict]:
-    """`name:key=value:...` -> `(name, {key: value parsed as YAML})`.
+def split_spec(spec: str) -> tuple[str, dict, dict]:
+    """`name:key=value:...` -> `(name, the compressor's arguments, CompressedAllReduce's)`,
+    values parsed as YAML; `OPS_KEYS` go to the ops, but for PowerSGD's own
+    `error_feedback`.
 
     Raises:
       ValueError: for an argument without `=`.
@@ -71,4 +68,6 @@ def split_spec(spec: str) -> tuple[str, dict]:
             raise ValueError(f"bad compressor argument {arg!r} in {spec!r}; "
                              "expected name:key=value[:key=value...]")
         kwargs[key] = yaml.safe_load(value)
-    return name, kwargs
+    ops = {k: kwargs.pop(k) for k in OPS_KEYS
+           if k in kwargs and not (k == "error_feedback" and name == "powersgd")}
+    return name, kwargs, ops

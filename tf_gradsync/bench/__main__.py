@@ -44,7 +44,7 @@ SUITES = {
 }
 
 #: --compressors entries that are modes of a suite, not compressors.
-MODES = ("stock", "compute", "autotune")
+MODES = ("stock", "compute", multiworker.AUTOTUNE)
 
 flags.DEFINE_list("compressors", None, "Compressor names (default: depends on the suite).")
 flags.DEFINE_string("json", None, "Write the rows to this JSON file.")

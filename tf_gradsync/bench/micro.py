@@ -13,7 +13,7 @@ import tensorflow as tf
 from absl import flags
 
 from tf_gradsync import compression, costmodel
-from tf_gradsync.bench import OPS_KEYS, keep_freed_buffers, split_spec
+from tf_gradsync.bench import keep_freed_buffers, split_spec
 
 flags.DEFINE_list("sizes", ["1000000", "25000000"], "micro: bucket sizes (elements).")
 flags.DEFINE_integer("repeats", 5, "micro: timed repetitions.", lower_bound=1)
@@ -55,11 +55,9 @@ def compressor_of(spec) -> compression.Compressor:
     """
     if isinstance(spec, compression.Compressor):
         return spec
-    name, kwargs = split_spec(spec)
-    ops_keys = sorted(set(kwargs) & {*OPS_KEYS, "error_feedback"} - (
-        {"error_feedback"} if name == "powersgd" else set()))
-    if ops_keys:
-        raise ValueError(f"micro times the compressor alone; {', '.join(ops_keys)} in {spec!r} "
+    name, kwargs, ops = split_spec(spec)
+    if ops:
+        raise ValueError(f"micro times the compressor alone; {', '.join(ops)} in {spec!r} "
                          "set the ops (micro_data_path times a bucket's data path as they "
                          "run it)")
     return compression.get(name, **kwargs)
