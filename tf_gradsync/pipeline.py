@@ -15,7 +15,7 @@ exactly where it is needed, from copies of every replica's tensor.
 from __future__ import annotations
 
 import contextlib
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import tensorflow as tf
 
@@ -246,18 +246,17 @@ class Pipeline:
                                                              self.jit_compile)
         return self._exchanges[key] == "two_phase"
 
-    def bucket_states(self) -> list[dict[str, tf.Variable]]:
+    def bucket_states(self) -> Iterator[dict[str, tf.Variable]]:
         """The first replica's state of each bucket the compressor has built so far, by
-        `state_spec` name (what `Compressor.report` reads)."""
-        out = []
+        `state_spec` name (what `Compressor.report` reads), found as it is iterated:
+        `stats()` runs after every batch, and most compressors report nothing."""
         for plan in self._plans.values():
             prefix = _state_prefix(self.compressor, plan)
             for b in plan.buckets:
                 names = self.compressor.state_spec(b.layout)
                 found = {n: self.state.get(f"{prefix}b{b.id}_r0_{n}") for n in names}
                 if names and all(v is not None for v in found.values()):
-                    out.append(found)
-        return out
+                    yield found
 
     def _state_for(self, compressor: Compressor, plan: BucketPlan, bucket: Bucket,
                    replica: int, device: str,

@@ -23,7 +23,7 @@ import math
 import numbers
 import warnings
 import zlib
-from typing import Any, Callable, ClassVar, Generator, Mapping, Sequence
+from typing import Any, Callable, ClassVar, Generator, Iterable, Mapping, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -322,10 +322,11 @@ class Compressor(abc.ABC):
         del layout
         return {}
 
-    def report(self, states: Sequence[Mapping[str, tf.Variable]]) -> dict[str, float]:
-        """Numbers for `CompressedAllReduce.stats()` read from its state: `states` holds
-        one replica's state of each bucket built so far (`state_spec`'s names). None by
-        default; `Guard` counts the buckets it sends with its fallback."""
+    def report(self, states: Iterable[Mapping[str, tf.Variable]]) -> dict[str, float]:
+        """Numbers for `CompressedAllReduce.stats()` read from its state: `states` yields
+        one replica's state of each bucket built so far (`state_spec`'s names), looked
+        up only as it is iterated. None by default; `Guard` counts the buckets it sends
+        with its fallback."""
         del states
         return {}
 

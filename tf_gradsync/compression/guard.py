@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterable, Mapping
 
 import tensorflow as tf
 
@@ -120,7 +120,7 @@ class Guard(Compressor):
                      "level": StateSpec((), tf.int32, _zero_int)})
         return spec
 
-    def report(self, states: Sequence[Mapping[str, tf.Variable]]) -> dict[str, float]:
+    def report(self, states: Iterable[Mapping[str, tf.Variable]]) -> dict[str, float]:
         """`guarded_buckets` (buckets built so far) and `fallback_buckets` (those sent
         with the fallback now, as this replica's state says; every replica's agrees)."""
         levels = [int(s["level"].numpy()) for s in states]

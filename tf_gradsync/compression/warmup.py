@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterable, Mapping
 
 import tensorflow as tf
 
@@ -54,7 +54,7 @@ class Warmup(Wrapper):
     def state_spec(self, layout: Layout) -> dict[str, StateSpec]:
         return self.inner.state_spec(layout)
 
-    def report(self, states: Sequence[Mapping[str, tf.Variable]]) -> dict[str, float]:
+    def report(self, states: Iterable[Mapping[str, tf.Variable]]) -> dict[str, float]:
         return self.inner.report(states)        # the state is the inner one's
 
     def check_optimizer(self, optimizer: Any) -> None:
