@@ -1262,6 +1262,42 @@ def test_topk_fast_path_is_exact(kind, k):
     np.testing.assert_array_equal(values.numpy(), signed[idx.numpy()])
 
 
+@pytest.mark.parametrize("kind", ["normal", "ties", "constant", "cauchy"])
+@pytest.mark.parametrize("dtype", [tf.float32, tf.bfloat16, tf.float64])
+def test_kth_largest_ranks_only_its_bin_and_equals_top_k(kind, dtype):
+    rng = np.random.default_rng(5)
+    n = 250_000
+    mag = {"normal": lambda: np.abs(rng.standard_normal(n)),
+           "ties": lambda: rng.integers(0, 10, n).astype(np.float64),
+           "constant": lambda: np.full(n, 0.25),
+           "cauchy": lambda: np.abs(rng.standard_cauchy(n))}[kind]()
+    mag = tf.constant(mag, dtype)
+    for k in (1, 17, 3_500, 26_000, n):
+        want = tf.math.top_k(mag, k, sorted=True).values[k - 1]
+        assert _selection._kth_largest(mag, k).numpy() == want.numpy(), k
+
+
+@pytest.mark.parametrize("ratio", [0.001, 0.01, 0.1])
+def test_compiled_selection_keeps_the_top_k_in_index_order(ratio):
+    """Compiled (XLA's gathers, padded to a capacity) and not, the top k of a bucket
+    come out in index order, the same entries as `tf.math.top_k`'s."""
+    n = 300_000
+    rng = np.random.default_rng(int(ratio * 1000))
+    x = rng.standard_normal(n).astype(np.float32)
+    x[rng.integers(0, n, 3000)] = 2.0            # ties at the cut for the larger k
+    k = int(ratio * n)
+    want = set(tf.math.top_k(tf.abs(tf.constant(x)), k).indices.numpy().tolist())
+    for stage in (_util.inline, xla.call):
+        idx, values = _selection.top_k_entries(tf.constant(x), k, stage=stage)
+        idx = idx.numpy()
+        assert set(idx.tolist()) == want and np.all(np.diff(idx) > 0)
+        np.testing.assert_array_equal(values.numpy(), x[idx])
+        idx, valid, values = _selection.select(tf.constant(x), k, tf.constant([1, 2], tf.int64),
+                                               0.01, stage=stage)
+        assert valid.numpy().all() and set(idx.numpy().tolist()) == want
+        np.testing.assert_array_equal(values.numpy(), x[idx.numpy()])
+
+
 def test_topk_per_tensor_on_long_and_many_short_tensors():
     """Long tensors take the sampled exact path, short ones are ranked by size class."""
     rng = np.random.default_rng(11)
