@@ -163,6 +163,16 @@ def test_numpy_numbers_are_numbers():
                                  timeout_seconds=np.float32(5))
     assert ops.compressor.steps == 3 and type(ops.compressor.steps) is int
     assert ops.timeout_seconds == 5.0 and type(ops.timeout_seconds) is float
+    ops = gs.CompressedAllReduce("topk", guard=np.True_, jit_compile=np.False_,
+                                 error_feedback=np.False_, measure_error=np.True_)
+    assert ops.jit_compile is False and ops.compressor.name == "guard"
+    assert not isinstance(ops.compressor.inner, C.ErrorFeedback)
+    # A compressor's settings too, numbers and flags alike; numpy's booleans stay no number.
+    assert C.get("topk", ratio=np.float32(0.05)).ratio == np.float32(0.05)
+    assert C.get("powersgd", rank=np.int64(2), warm_start=np.False_).rank == 2
+    assert C.get("randomk", scale=np.True_).unbiased
+    with pytest.raises(ValueError, match="ratio must be a number.*got np.True_"):
+        C.get("topk", ratio=np.True_)
 
 
 @pytest.mark.parametrize("fn,needles", CASES)

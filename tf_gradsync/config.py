@@ -19,6 +19,8 @@ import numbers
 import os
 from typing import Any, Mapping
 
+import numpy as np
+
 from tf_gradsync import algorithms, compression
 
 #: Buckets of about one large layer: each bucket's exchange starts as soon as its own
@@ -94,7 +96,7 @@ def check_settings(*, error_feedback=None, bucket_bytes=DEFAULT_BUCKET_BYTES, al
     Raises:
       ValueError: naming the bad value and what is allowed.
     """
-    if not (error_feedback is None or isinstance(error_feedback, bool)):
+    if not (error_feedback is None or isinstance(error_feedback, (bool, np.bool_))):
         raise ValueError(f"error_feedback must be True, False or None (true, false or null "
                          f"in YAML), got {error_feedback!r}")
     check_bucket_bytes(bucket_bytes)
@@ -110,7 +112,7 @@ def check_settings(*, error_feedback=None, bucket_bytes=DEFAULT_BUCKET_BYTES, al
                          f"None (null in YAML), got {timeout_seconds!r}")
     for name, value in (("measure_error", measure_error), ("guard", guard),
                         ("jit_compile", jit_compile)):
-        if not isinstance(value, bool):
+        if not isinstance(value, (bool, np.bool_)):
             raise ValueError(f"{name} must be True or False, got {value!r}")
     if guard and exchange == "two_phase":
         raise ValueError("guard=True watches each bucket's error whole, but "

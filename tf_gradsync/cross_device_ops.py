@@ -90,6 +90,10 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
                        algorithm=algorithm, exchange=exchange, timeout_seconds=timeout_seconds,
                        warmup_steps=warmup_steps, measure_error=measure_error, guard=guard,
                        jit_compile=jit_compile)
+        # Numpy's booleans pass the checks; Python's are kept.
+        if error_feedback is not None:
+            error_feedback = bool(error_feedback)
+        measure_error, guard, jit_compile = bool(measure_error), bool(guard), bool(jit_compile)
         self._compressor = with_error_feedback(get(compression), error_feedback)
         if guard and self._compressor.accuracy != "lossless":
             self._compressor = Guard(self._compressor)

@@ -8,15 +8,18 @@ Everything in this package's helper modules (`_bits`, `_sparse`, `_segments`,
 from __future__ import annotations
 
 import math
+import numbers
 
+import numpy as np
 import tensorflow as tf
 
 
 def check_number(name: str, value, low: float, high: float = math.inf, *,
                  low_open: bool = False, high_open: bool = False, integer: bool = False) -> None:
-    """Raises ValueError unless `low <= value <= high` (`<` on an open end)."""
+    """Raises ValueError unless `low <= value <= high` (`<` on an open end). Numpy's
+    numbers count (a setting read from an array or a sweep); booleans do not."""
     kind = "an integer" if integer else "a number"
-    ok_type = isinstance(value, int) if integer else isinstance(value, (int, float))
+    ok_type = isinstance(value, numbers.Integral if integer else numbers.Real)
     closed_high = high != math.inf and not high_open
     bounds = f"{'(' if low_open else '['}{low}, {high}{']' if closed_high else ')'}"
     if isinstance(value, bool) or not ok_type:
@@ -25,6 +28,12 @@ def check_number(name: str, value, low: float, high: float = math.inf, *,
     below = value < high if high_open else value <= high
     if not (above and below):
         raise ValueError(f"{name} must be in {bounds}, got {value!r}")
+
+
+def check_flag(name: str, value) -> None:
+    """Raises ValueError unless `value` is True or False (numpy's too)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{name} must be a bool (True or False), got {value!r}")
 
 
 def work_dtype(dtype: tf.DType) -> tf.DType:

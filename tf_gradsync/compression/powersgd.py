@@ -105,8 +105,7 @@ class PowerSGD(Compressor):
         _util.check_number("start_iter", start_iter, 0, integer=True)
         _util.check_number("min_compression_rate", min_compression_rate, 1)
         for name, value in (("warm_start", warm_start), ("error_feedback", error_feedback)):
-            if not isinstance(value, bool):
-                raise ValueError(f"{name} must be a bool (True or False), got {value!r}")
+            _util.check_flag(name, value)
         self.rank, self.start_iter = rank, start_iter
         self.min_compression_rate, self.warm_start = min_compression_rate, warm_start
         self.error_feedback = error_feedback

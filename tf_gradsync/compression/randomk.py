@@ -71,8 +71,7 @@ class RandomK(Compressor):
     def __init__(self, ratio: float = 0.5, scale: bool = False, cyclic: bool = False):
         _util.check_number("ratio", ratio, 0, 1, low_open=True)
         for name, value in (("scale", scale), ("cyclic", cyclic)):
-            if not isinstance(value, bool):
-                raise ValueError(f"{name} must be a bool (True or False), got {value!r}")
+            _util.check_flag(name, value)
         self.ratio, self.scale, self.cyclic = ratio, scale, cyclic
         self.unbiased = scale
 
