@@ -21,17 +21,12 @@ import train_digits  # noqa: E402
 FLAGS = flags.FLAGS
 
 
-def _define(kind: str, name: str, default, help_text: str) -> None:
-    if name not in FLAGS:   # train_digits may already define it
-        getattr(flags, f"DEFINE_{kind}")(name, default, help_text)
-
-
-_define("string", "compression", "fp16", "Registered compressor name.")
-_define("string", "jsonl", None, "JSON-lines file to write (default: <compression>.jsonl).")
-_define("integer", "epochs", 30, "Training epochs.")
-_define("integer", "devices", 4, "Logical CPU devices (replicas).")
-_define("integer", "batch_size", 64, "Global batch size.")
-_define("integer", "seed", 0, "Random seed.")
+flags.DEFINE_string("compression", "fp16", "Registered compressor name.")
+flags.DEFINE_string("jsonl", None, "JSON-lines file to write (default: <compression>.jsonl).")
+flags.DEFINE_integer("epochs", 30, "Training epochs.", lower_bound=1)
+flags.DEFINE_integer("devices", 4, "Logical CPU devices (replicas).", lower_bound=1)
+flags.DEFINE_integer("batch_size", 64, "Global batch size.", lower_bound=1)
+flags.DEFINE_integer("seed", 0, "Random seed.")
 
 
 def main(argv):

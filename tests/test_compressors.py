@@ -984,7 +984,7 @@ EXPECTED_BYTES = {  # one flat tensor of 1000 float32 (dense: 4000 bytes)
 def test_payload_bytes(name):
     c = C.get(name)
     out = reduce(c, [rand(1000)])
-    got = sum(c.payload_bytes(p) for p in out.payloads)
+    got = sum(C.nbytes(p) for p in out.payloads)
     assert got == EXPECTED_BYTES[name]
     assert got == sum(t.numpy().nbytes for p in out.payloads for t in p)
 

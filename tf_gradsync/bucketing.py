@@ -97,8 +97,8 @@ def plan_buckets(specs: Sequence[tuple[Sequence[int], tf.DType]], bucket_bytes: 
 
     Raises:
       ValueError: for a `bucket_bytes` that is not a positive integer, a spec that is not
-        a `(shape, dtype)` pair, a non-numeric dtype or a shape that is not fully
-        defined; the message names the bad value and what is allowed.
+        a `(shape, dtype)` pair, a dtype neither numeric nor bool, or a shape that is not
+        fully defined; the message names the bad value and what is allowed.
 
     Example:
       >>> plan = plan_buckets([((3, 4), tf.float32), ((4,), tf.float32)], 1 << 20)

@@ -79,9 +79,6 @@ class SyncState(tf.Module):
         """The variable `key`, or None before it is created."""
         return self._variables.get(key)
 
-    def __contains__(self, key: str) -> bool:
-        return key in self._variables
-
     def __len__(self) -> int:
         return len(self._variables)
 

@@ -123,20 +123,15 @@ def exchange_seconds(kind: str, workers: int, payload_bytes: float, link: Link =
         raise ValueError(f"workers must be an integer >= 1, got {workers!r}")
     if n == 1 and kind != "hierarchical":
         return 0.0
-    if kind == "ring":
-        return link.seconds(2 * (n - 1), 2 * (n - 1) / n * payload_bytes)
-    if kind == "tree":
-        return link.seconds(2 * math.ceil(math.log2(n)), 2 * (n - 1) / n * payload_bytes)
-    if kind == "gather":
-        return link.seconds(n - 1, (n - 1) * payload_bytes)
-    if kind == "two_phase":
-        server = payload_bytes if server_bytes is None else server_bytes
-        return (all_to_all_rounds(n) * link.round_seconds
-                + link.seconds(n - 1, (n - 1) / n * (payload_bytes + server)))
     if kind == "hierarchical":
         inner = exchange_seconds("ring", local, payload_bytes, local_link or link) if local > 1 else 0
         return inner + exchange_seconds("ring", n, payload_bytes, link)
-    raise ValueError(f"unknown exchange {kind!r}; valid: {', '.join(KINDS)}")
+    messages = {"ring": 2 * (n - 1), "tree": 2 * math.ceil(math.log2(n)), "gather": n - 1,
+                "two_phase": n - 1}
+    if kind not in messages:
+        raise ValueError(f"unknown exchange {kind!r}; valid: {', '.join(KINDS)}")
+    rounds = all_to_all_rounds(n) * link.round_seconds if kind == "two_phase" else 0.0
+    return rounds + link.seconds(messages[kind], bytes_sent(kind, n, payload_bytes, server_bytes))
 
 
 def all_to_all_rounds(members: int) -> int:

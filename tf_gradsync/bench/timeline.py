@@ -47,8 +47,6 @@ FLAGS = flags.FLAGS
 COLUMNS = ["mode", "buckets", "step_ms", "backprop_end_ms", "first_exchange_ms",
            "exchange_ms", "hidden_ms", "hidden_share"]
 PLOT = ("mode", "hidden_share", "share of exchange time before backprop ends")
-#: Rows of the timeline figure, top to bottom (buckets are inserted after backward).
-KINDS = ("forward", "backward", "update")
 
 _BUCKET = re.compile(rf"{SCOPE}/bucket_(\d+)/")
 

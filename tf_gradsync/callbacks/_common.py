@@ -11,11 +11,12 @@ import tensorflow as tf
 
 from tf_gradsync.cross_device_ops import CompressedAllReduce
 
+#: The numbers of a batch's record; an epoch's adds its totals and percentiles.
+BATCH_KEYS = ("comm_bytes", "comm_bytes_dense", "compression_ratio", "comm_error",
+              "step_time_ms", "samples_per_sec")
+EPOCH_KEYS = BATCH_KEYS + ("comm_bytes_total", "step_time_p50_ms", "step_time_p90_ms")
 #: Columns of a record, in CSV order. JSON lines may carry extra scalar Keras metrics.
-FIELDS = ("kind", "step", "epoch", "wall_time_s", "loss", "steps", "comm_bytes",
-          "comm_bytes_dense", "compression_ratio", "comm_error", "step_time_ms",
-          "samples_per_sec",
-          "comm_bytes_total", "step_time_p50_ms", "step_time_p90_ms")
+FIELDS = ("kind", "step", "epoch", "wall_time_s", "loss", "steps") + EPOCH_KEYS
 
 
 def resolve(ops_or_strategy, who: str):

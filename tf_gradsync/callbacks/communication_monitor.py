@@ -11,10 +11,6 @@ import tensorflow as tf
 
 from tf_gradsync.callbacks import _common
 
-_BATCH_KEYS = ("comm_bytes", "comm_bytes_dense", "compression_ratio", "comm_error",
-               "step_time_ms", "samples_per_sec")
-_EPOCH_KEYS = _BATCH_KEYS + ("comm_bytes_total", "step_time_p50_ms", "step_time_p90_ms")
-
 
 class CommunicationMonitor(tf.keras.callbacks.Callback):
     """Adds communication and timing numbers to Keras logs and optionally writes them out.
@@ -93,11 +89,11 @@ class CommunicationMonitor(tf.keras.callbacks.Callback):
             raise ValueError(f"{who}: log_keys must be a list of key names, got the string "
                              f"{log_keys!r} (one: [{log_keys!r}])")
         if log_keys is not None:
-            unknown = sorted(set(log_keys) - set(_EPOCH_KEYS))
+            unknown = sorted(set(log_keys) - set(_common.EPOCH_KEYS))
             if unknown:
                 raise ValueError(f"{who}: unknown log_keys {unknown}; valid keys: "
-                                 f"{', '.join(_EPOCH_KEYS)}")
-        self.log_keys = set(_EPOCH_KEYS if log_keys is None else log_keys)
+                                 f"{', '.join(_common.EPOCH_KEYS)}")
+        self.log_keys = set(_common.EPOCH_KEYS if log_keys is None else log_keys)
         self.ops, self.strategy = _common.resolve(ops_or_strategy, who)
         self.csv_path = _common.check_path("csv_path", csv_path, who)
         self.tensorboard_dir = _common.check_path("tensorboard_dir", tensorboard_dir, who,
@@ -145,14 +141,15 @@ class CommunicationMonitor(tf.keras.callbacks.Callback):
                                   batch - self._batch_begin + 1, self._known_batch_size(logs))
         self._warm = True
         self._records.append(rec)
-        logs.update({k: rec[k] for k in _BATCH_KEYS if rec[k] is not None and k in self.log_keys})
+        logs.update({k: rec[k] for k in _common.BATCH_KEYS
+                     if rec[k] is not None and k in self.log_keys})
         self._write("batch", rec, logs)
 
     def on_epoch_end(self, epoch, logs=None):
         logs = {} if logs is None else logs
         rec = _common.summarise(self._records, self._meter.total_sent())
         known = self._records and self._records[-1]["samples_per_sec"] is not None
-        logs.update({k: rec[k] for k in _EPOCH_KEYS
+        logs.update({k: rec[k] for k in _common.EPOCH_KEYS
                      if (k != "samples_per_sec" or known) and k in self.log_keys})
         rec["step"] = self._meter.step
         self._write("epoch", rec, logs)
@@ -187,7 +184,8 @@ class CommunicationMonitor(tf.keras.callbacks.Callback):
         if self._writer:
             with self._writer.as_default():
                 step = rec["step"] if kind == "batch" else self._epoch
-                for key in ("loss",) + (_BATCH_KEYS if kind == "batch" else _EPOCH_KEYS):
+                keys = _common.BATCH_KEYS if kind == "batch" else _common.EPOCH_KEYS
+                for key in ("loss",) + keys:
                     value = _common.scalar(row.get(key))
                     if value is not None:
                         tf.summary.scalar(f"{kind}/{key}", value, step=step)

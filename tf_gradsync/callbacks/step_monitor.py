@@ -14,9 +14,9 @@ class StepMonitor:
 
     Each `with monitor.step(...)` block is one record: a dict with `kind` ("batch"),
     `step`, `epoch`, `wall_time_s` (since the monitor was created), `loss`, `steps`,
-    `comm_bytes`, `comm_bytes_dense`, `compression_ratio`, `step_time_ms` and
-    `samples_per_sec`, with the same meaning as in `CommunicationMonitor`. The dict is
-    yielded by the block (set `rec["loss"]` inside it, a tensor is fine), filled in when
+    `comm_bytes`, `comm_bytes_dense`, `compression_ratio`, `comm_error`, `step_time_ms`
+    and `samples_per_sec`, with the same meaning as in `CommunicationMonitor`. The dict
+    is yielded by the block (set `rec["loss"]` inside it, a tensor is fine), filled in when
     the block exits, appended to `records`, and written to `jsonl_path` if given. The
     first block's time includes tracing and is left out (`step_time_ms` is None).
 

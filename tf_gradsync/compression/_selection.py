@@ -19,6 +19,12 @@ _TOPK_SEED = (0x746F, 0x706B)   # any fixed seed: the result does not depend on 
 #: core: 250K entries in runs of 16 gathered in 0.6 ms, one by one in 11 ms).
 SAMPLE_RUN = 16
 
+#: Segments at least this long are ranked alone (with the sampled fast paths); shorter
+#: ones are ranked together, padded to the next power of two.
+LARGE = 1 << 15
+#: The smallest sample a threshold is cut from.
+MIN_SAMPLE = 1000
+
 
 def sample_size(s: int) -> int:
     """`s` rounded down to whole runs (at least one)."""
@@ -66,17 +72,17 @@ def _capacity(n: int, s: int, r: int) -> int:
 
 
 def top_k_entries(x: tf.Tensor, k: int, full: tf.Tensor | bool = False,
-                  min_numel: int = 1 << 15, stage=inline) -> tuple[tf.Tensor, tf.Tensor]:
+                  stage=inline) -> tuple[tf.Tensor, tf.Tensor]:
     """Exactly `tf.math.top_k(|x|, k).indices` (as a set) and their signed values,
     without ranking a large bucket.
 
-    A value of a sample of 1% of `x` (at least 1000 entries, `sample_magnitudes`) is cut
-    so that at least k entries almost surely reach it (`_sample_rank`). When at least k
-    do, the top k of those candidates are the top k of the bucket: every entry at or
-    above the k-th largest value is a candidate, and candidates keep their index order,
-    so ties resolve as in `tf.math.top_k` (lower index first; `_top_of_candidates`).
-    Otherwise (or when `full` is true, e.g. for non-finite input) the whole bucket is
-    ranked.
+    A value of a sample of 1% of `x` (at least `MIN_SAMPLE` entries,
+    `sample_magnitudes`) is cut so that at least k entries almost surely reach it
+    (`_sample_rank`). When at least k do, the top k of those candidates are the top k of
+    the bucket: every entry at or above the k-th largest value is a candidate, and
+    candidates keep their index order, so ties resolve as in `tf.math.top_k` (lower
+    index first; `_top_of_candidates`). Otherwise (or when `full` is true, e.g. for
+    non-finite input) the whole bucket is ranked.
     Magnitudes are taken where they are read (the sample, the comparison, the
     candidates), and the comparison runs through `stage` (e.g. compiled by XLA, which
     never writes |x| out: 25M entries, one core, 8 ms against 18 as TensorFlow's ops).
@@ -86,7 +92,6 @@ def top_k_entries(x: tf.Tensor, k: int, full: tf.Tensor | bool = False,
       x: 1-D values, static length n.
       k: number of indices, 1 <= k <= n.
       full: bool scalar tensor (or Python bool): rank the whole bucket.
-      min_numel: buckets shorter than this are ranked whole.
       stage: `stage(fn, *tensors)` runs `fn` on the tensors (inline by default;
         `Context.stage` compiles it when asked): the comparison and the candidates'
         gather (`gather_many`).
@@ -95,13 +100,13 @@ def top_k_entries(x: tf.Tensor, k: int, full: tf.Tensor | bool = False,
       `(indices, values)`: int32 [k] indices, in no particular order, and x at them.
     """
     n = numel(x)
-    s = sample_size(max(1000, n // 100))
+    s = sample_size(max(MIN_SAMPLE, n // 100))
     r = _sample_rank(s, k, n)
 
     def everything():
         idx = tf.math.top_k(tf.abs(x), k, sorted=False).indices
         return idx, tf.gather(x, idx)
-    if n < min_numel or 2 * r > s:
+    if n < LARGE or 2 * r > s:
         return everything()
     thr = _kth_largest(sample_magnitudes(x, s, _TOPK_SEED), r)
     cand = tf.cast(tf.where(stage(_reach, x, thr))[:, 0], tf.int32)
@@ -207,7 +212,7 @@ def _top_of_candidates(cand: tf.Tensor, values: tf.Tensor, k: int, capacity: int
 
 
 def select(x: tf.Tensor, k: int, seed: tf.Tensor, sample_ratio: float,
-           min_sample: int = 1000, stage=inline) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+           stage=inline) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
     """Indices of (about) the `k` largest magnitudes of `x`, without a full top-k.
 
     A threshold is cut from a random sample (`sample_magnitudes`, scaled to its size)
@@ -220,8 +225,7 @@ def select(x: tf.Tensor, k: int, seed: tf.Tensor, sample_ratio: float,
       x: 1-D values (float32/float64), static length n.
       k: number of entries to return, 1 <= k <= n.
       seed: int64[2] stateless seed.
-      sample_ratio: fraction of the bucket sampled (at least `min_sample` entries).
-      min_sample: smallest sample.
+      sample_ratio: fraction of the bucket sampled (at least `MIN_SAMPLE` entries).
       stage: runs the comparison with the threshold and the candidates' gather, as in
         `top_k_entries`.
 
@@ -231,7 +235,7 @@ def select(x: tf.Tensor, k: int, seed: tf.Tensor, sample_ratio: float,
       sent as zeros.
     """
     n = numel(x)
-    s = min(n, max(min_sample, math.ceil(sample_ratio * n)))
+    s = min(n, max(MIN_SAMPLE, math.ceil(sample_ratio * n)))
     if s >= n or n < SAMPLE_RUN:
         # An exact top-k; zeros it takes go as padding (not valid).
         top = tf.math.top_k(tf.abs(x), k, sorted=False)
@@ -260,6 +264,23 @@ def select(x: tf.Tensor, k: int, seed: tf.Tensor, sample_ratio: float,
     return tf.ensure_shape(idx, [k]), tf.ensure_shape(valid, [k]), tf.ensure_shape(values, [k])
 
 
+def sampled_largest(x: tf.Tensor, seg: Segments, ratio: float, seed, sample_ratio: float,
+                    stage, dtype: tf.DType) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+    """The `counts(ratio, seg)` largest magnitudes of each tensor of `x`, long tensors
+    through a sampled threshold (`select`), as threshold and DGC send them.
+
+    Returns:
+      `(values in dtype, zero in a slot of padding; int32 indices; bool mask of the
+      slots holding a selection)`.
+    """
+    seed = tf.convert_to_tensor(seed, tf.int64)
+    idx, valid, values = top_per_segment(
+        x, seg, counts(ratio, seg), lambda m, k: select(m, k, seed, sample_ratio, stage=stage))
+    if valid is None:
+        valid = tf.ones_like(idx, tf.bool)
+    return tf.cast(tf.where(valid, values, tf.zeros([], values.dtype)), dtype), idx, valid
+
+
 def magnitude_send_interval(ratio: float) -> float:
     """Steps an entry waits between sends when the `ratio` largest go out (top-k,
     threshold, dgc): (1/ratio)^(2/3). The large entries go out about every step and the
@@ -274,11 +295,6 @@ def magnitude_send_interval(ratio: float) -> float:
 def counts(ratio: float, seg: Segments) -> list[int]:
     """k per segment: max(1, ceil(ratio * size)), at most the size."""
     return [count(ratio, s) for s in seg.sizes]
-
-
-#: Segments at least this long are ranked alone (with the sampled fast paths); shorter
-#: ones are ranked together, padded to the next power of two.
-LARGE = 1 << 15
 
 
 def top_per_segment(x: tf.Tensor, seg: Segments, ks, large):

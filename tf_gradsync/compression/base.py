@@ -180,9 +180,8 @@ class Context:
         norm = sum_of_squares(x) if norm_sq is None else tf.cast(norm_sq, wd)
         self.errors.append((err, norm))
 
-    def keep_residual(self, residual: tf.Variable, x: tf.Tensor, new: tf.Tensor | None = None,
-                      *, error_sq: tf.Tensor | None = None,
-                      norm_sq: tf.Tensor | None = None) -> None:
+    def keep_residual(self, residual: tf.Variable, x: tf.Tensor,
+                      new: tf.Tensor | None = None) -> None:
         """Stores `new` = x - (what x's payload decodes to) as the error-feedback
         residual, or zeros when it is not finite, and records the compression error.
         `new` None: the residual already holds it (written in place).
@@ -191,18 +190,15 @@ class Context:
         a sum over every entry, it is not finite exactly when some entry is not (or,
         beyond 1e19 in float32, overflows: the residual then restarts, harmlessly). So
         a non-finite step (a NaN/Inf gradient) resets the residual without an
-        elementwise check or select over the bucket. A caller that has ||new||^2 (and
-        ||x||^2) without reading `new` passes them as `error_sq` (and `norm_sq`); it
-        must be non-finite whenever `new` is.
+        elementwise check or select over the bucket.
         """
-        if error_sq is None:
-            error_sq = sum_of_squares(residual.read_value() if new is None else new)
+        error_sq = sum_of_squares(residual.read_value() if new is None else new)
         finite = tf.math.is_finite(error_sq)
         if new is None:
             when(~finite, lambda: residual.assign(tf.zeros_like(residual)))
         else:
             residual.assign(tf.cond(finite, lambda: new, lambda: tf.zeros_like(new)))
-        self.record_error(x, None, error_sq=error_sq, norm_sq=norm_sq)
+        self.record_error(x, None, error_sq=error_sq)
 
 
 def when(pred: tf.Tensor, fn: Callable[[], Any]) -> None:
@@ -446,10 +442,6 @@ class Compressor(abc.ABC):
     def decompress(self, payload: Sequence[tf.Tensor], meta: Any) -> tf.Tensor:
         """Reconstructs a flat bucket (or the sum of buckets, for summed payloads)."""
         raise NotImplementedError(f"{type(self).__name__} has no single-round codec")
-
-    def payload_bytes(self, payload: Sequence[tf.Tensor]) -> int:
-        """Bytes of `payload`, from the tensors themselves."""
-        return nbytes(payload)
 
     def steady_mode(self) -> int:
         """The mode of this compressor's steady state, past its warm-ups: the one the
@@ -714,9 +706,6 @@ class Wrapper(Compressor):
 
     def sparse_values_dtype(self, dtype: tf.DType) -> tf.DType | None:
         return self.inner.sparse_values_dtype(dtype)
-
-    def payload_bytes(self, payload: Sequence[tf.Tensor]) -> int:
-        return self.inner.payload_bytes(payload)
 
     def decompress(self, payload: Sequence[tf.Tensor], meta: Any) -> tf.Tensor:
         return self.inner.decompress(payload, meta)

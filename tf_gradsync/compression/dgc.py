@@ -51,8 +51,8 @@ class DGC(_sparse.SparseDecoding, Compressor):
     bucket (ratio x size, at least 1), as the paper selects per layer.
 
     Payload: `(values, indices)`, values in the input dtype and int32 indices, K
-    entries (the sum of the tensors' k, padded with zeros at index 0): K * (itemsize
-    + 4) bytes. All-gathered; biased. A non-finite gradient sends NaN values and
+    entries (the sum of the tensors' k, padded with zeros at unselected entries):
+    K * (itemsize + 4) bytes. All-gathered; biased. A non-finite gradient sends NaN values and
     resets u and v to zero.
 
     Args:
@@ -61,7 +61,7 @@ class DGC(_sparse.SparseDecoding, Compressor):
       clip_norm: global L2 clipping norm (> 0), or None for no clipping.
       warmup_steps: length of the warm-up in steps, an integer >= 0.
       warmup_ratio: fraction sent at step 0, in [ratio, 1] (in (0, 1] if unused).
-      sample_ratio: fraction of the bucket sampled for the threshold, in (0, 1].
+      sample_ratio: fraction of each long tensor sampled for its threshold, in (0, 1].
 
     Raises:
       ValueError: for an argument outside its range.
@@ -202,14 +202,8 @@ class DGC(_sparse.SparseDecoding, Compressor):
     def _select(self, v: tf.Tensor, seg: _segments.Segments, ctx: Context, dtype: tf.DType):
         """The largest entries of `v` per tensor at this mode's ratio: `(values in
         `dtype`, int32 indices, which slots hold a selected entry)`."""
-        seed = tf.convert_to_tensor(ctx.seed, tf.int64)
-        idx, valid, values = _selection.top_per_segment(
-            v, seg, _selection.counts(self.ratios[ctx.mode], seg),
-            lambda m, k: _selection.select(m, k, seed, self.sample_ratio,
-                                      stage=ctx.stage))
-        if valid is None:
-            valid = tf.ones_like(idx, tf.bool)
-        return tf.cast(tf.where(valid, values, 0), dtype), idx, valid
+        return _selection.sampled_largest(v, seg, self.ratios[ctx.mode], ctx.seed,
+                                          self.sample_ratio, ctx.stage, dtype)
 
     def codec(self) -> Compressor:
         """DGC's selection without its momentum and accumulation: a reduced chunk's

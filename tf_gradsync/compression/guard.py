@@ -16,10 +16,6 @@ from tf_gradsync.compression.base import (GATHER, SUM, Compressor, Context, Layo
 _INNER, _FALLBACK = "inner_", "fallback_"
 
 
-def _zero_int(shape, dtype) -> tf.Tensor:
-    return tf.zeros(shape, dtype)
-
-
 class Guard(Compressor):
     """Sends a bucket with `inner`, or with `fallback` while `inner` loses too much.
 
@@ -117,7 +113,7 @@ class Guard(Compressor):
         spec.update({_FALLBACK + k: s for k, s in self.fallback.state_spec(layout).items()})
         spec.update({"terms": StateSpec((2,), tf.float32),
                      "error_sum": StateSpec((), tf.float32), "count": StateSpec((), tf.int64),
-                     "level": StateSpec((), tf.int32, _zero_int)})
+                     "level": StateSpec((), tf.int32)})
         return spec
 
     def report(self, states: Iterable[Mapping[str, tf.Variable]]) -> dict[str, float]:

@@ -60,7 +60,7 @@ class OneBit(Compressor):
 
     def rms_step(self) -> float:
         """0.8, measured on a noise stream through error feedback as for `Sign`
-        (`tests/test_compressors.py`): each entry goes at its side's mean magnitude."""
+        (`tests/test_compressors.py`): each entry goes at its side's root mean square."""
         return 0.8
 
     def compress(self, x: tf.Tensor, ctx: Context):

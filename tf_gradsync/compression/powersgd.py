@@ -140,7 +140,7 @@ class PowerSGD(Compressor):
         matrix's last M, [rows, cols]: XLA's loops over a matrix run at twice the speed
         of one over a flat bucket), `p` [sum(rows * r)] (the P_hat) and `q_local`
         [sum(cols * r)] (this replica's Q_i); `residual` forms e from them. With warm
-        start, `q` [sum(cols * r)]. None if nothing is compressed."""
+        start, `q` [sum(cols * r)]. Empty if nothing is compressed."""
         plan, wd = self.plan(layout), _util.work_dtype(layout.dtype)
         if not plan.matrices:
             return {}

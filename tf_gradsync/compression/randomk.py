@@ -59,7 +59,7 @@ class RandomK(Compressor):
       cyclic: every entry once per 1 / ratio steps instead of independent draws.
 
     Raises:
-      ValueError: if `ratio` is outside (0, 1] or `scale` is not a bool.
+      ValueError: if `ratio` is outside (0, 1] or `scale` or `cyclic` is not a bool.
 
     Example:
       >>> c = tf_gradsync.compression.get("randomk", ratio=0.25)

@@ -20,13 +20,14 @@ class Threshold(_sparse.SparseDecoding, Compressor):
 
     In a tensor longer than `_selection.LARGE` entries, a random sample of
     `max(1000, sample_ratio * size)` magnitudes (stateless, seeded by `ctx.seed`)
-    gives the threshold that would keep about 2k entries; entries at or above it are
+    gives a threshold that a few more than k entries almost surely reach; those are the
     candidates (a superset of the true top k, unless the sample was unlucky). With
     more than k candidates the k largest are kept; with fewer, the payload is padded
-    with zero values at index 0 (harmless when summed), so it always has exactly k
-    entries and replicas can be all-gathered with equal shapes. Zeros are never sent.
-    Shorter tensors get an exact top-k. The result approximates `topk`, with the cost
-    of a top-k over the sample and the candidates instead of over the tensor.
+    with zero values at entries that were not selected (distinct, so a payload decodes
+    by placement), so it always has exactly k entries and replicas can be all-gathered
+    with equal shapes. Zeros are never sent. Shorter tensors get an exact top-k. The
+    result approximates `topk`, with the cost of a top-k over the sample and the
+    candidates instead of over the tensor.
 
     Payload: `(values, indices)`, values in the input dtype, int32 indices into the
     bucket: K * (itemsize + 4) bytes, K the sum of the tensors' k. Biased (error
@@ -58,12 +59,7 @@ class Threshold(_sparse.SparseDecoding, Compressor):
     def compress(self, x: tf.Tensor, ctx: Context):
         """Returns `((values, int32 indices), (n, dtype))`."""
         seg = _segments.Segments.of(ctx.layout_of(x))
-        seed = tf.convert_to_tensor(ctx.seed, tf.int64)
-        idx, valid, values = _selection.top_per_segment(
-            tf.cast(x, _util.work_dtype(x.dtype)), seg, _selection.counts(self.ratio, seg),
-            lambda m, k: _selection.select(m, k, seed, self.sample_ratio,
-                                      stage=ctx.stage))
-        values = tf.cast(values, x.dtype)
-        if valid is not None:
-            values = tf.where(valid, values, tf.zeros([], x.dtype))
+        values, idx, _ = _selection.sampled_largest(
+            tf.cast(x, _util.work_dtype(x.dtype)), seg, self.ratio, ctx.seed, self.sample_ratio,
+            ctx.stage, x.dtype)
         return (values + tf.cast(_util.poison(x), x.dtype), idx), (seg.numel, x.dtype)
