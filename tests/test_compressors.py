@@ -193,6 +193,39 @@ def test_non_finite_entry_in_a_large_tensor(name, jit_compile):
 
 
 @pytest.mark.parametrize("name", C.names())
+def test_short_tensors_all_nan_on_one_replica(name):
+    """Short tensors of no power-of-two length, all NaN on one replica (a loss scale's
+    overflow): the step runs and its result is not finite (the sparsifiers ranked their
+    padding above the NaNs and gathered past the bucket's end), and the next, finite
+    step is finite again."""
+    shapes = ((100,), (30, 7))
+    n = sum(math.prod(s) for s in shapes)
+    c = C.with_error_feedback(C.get(name), None)
+    states = [make_state(c, C.Layout(shapes)) for _ in range(2)]
+    bad = np.full(n, math.nan, np.float32)
+    out = reduce(c, [rand(n), tf.constant(bad)], states, shapes=shapes)
+    assert not np.all(np.isfinite(out.results[0].numpy()))
+    out = reduce(c, [rand(n, seed=1), rand(n, seed=2)], states, step=1, shapes=shapes)
+    assert np.all(np.isfinite(out.results[0].numpy()))
+
+
+@pytest.mark.parametrize("name,dtype", [("fp16", tf.bfloat16), ("bf16", tf.float16),
+                                        ("fp16", tf.float16)])
+def test_a_cast_sends_16_bit_buckets_as_they_are(name, dtype):
+    """fp16 on bfloat16 gradients kept neither their range nor their small values (1e6
+    overflowed, 1e-9 vanished), bf16 on float16 their precision, for no byte saved: the
+    payload is the bucket itself, and the sum that of `none`."""
+    big, small = (1e6, 1e-9) if dtype == tf.bfloat16 else (1e4, 1e-6)
+    x = [tf.constant([big, small, 0.3], dtype), tf.constant([2 * big, 3 * small, 0.1], dtype)]
+    out = reduce(C.get(name), x)
+    assert out.payloads[0][0].dtype == dtype
+    want = reduce(C.get("none"), x).results[0].numpy().astype(np.float64)
+    got = out.results[0].numpy().astype(np.float64)
+    np.testing.assert_allclose(got, want, rtol=1e-2)
+    assert np.all(np.isfinite(got)) and got[1] > 0
+
+
+@pytest.mark.parametrize("name", C.names())
 def test_replicas_agree_and_error_is_measured(name):
     """Every replica gets the same reduction; the reported error is the compressor's."""
     c = C.get(name)

@@ -332,9 +332,12 @@ def top_per_segment(x: tf.Tensor, seg: Segments, ks, large):
         for r, t in enumerate(rows):
             table[r, :seg.sizes[t]] = np.arange(seg.offsets[t], seg.offsets[t] + seg.sizes[t])
         kmax = max(ks[t] for t in rows)
-        # Pads (past the bucket's end) rank below every magnitude.
+        # Pads (past the bucket's end) rank below every magnitude, and a NaN above them:
+        # top_k ranks a NaN below -1, and a row of NaNs (a non-finite step, which the
+        # caller sends as NaN) would keep the pads, whose index is out of the bucket.
+        mag = tf.abs(tf.gather(x, np.minimum(table, seg.numel - 1)))
         mag = tf.where(table < seg.numel,
-                       tf.abs(tf.gather(x, np.minimum(table, seg.numel - 1))), -1)
+                       tf.where(tf.math.is_nan(mag), tf.constant(np.inf, mag.dtype), mag), -1)
         top = tf.math.top_k(mag, kmax, sorted=True).indices
         # Row r keeps its first ks[r] (largest) columns.
         flat = np.concatenate([r * kmax + np.arange(ks[t]) for r, t in enumerate(rows)])

@@ -263,7 +263,8 @@ class Compressor(abc.ABC):
         they are all-gathered and decompressed one by one.
       * `unbiased`: `E[decompress(compress(x))] == x`.
       * `prescale`: divide the input by the number of replicas before compressing so
-        that sums on the wire stay within the payload dtype's range (fp16).
+        that sums on the wire stay within the payload dtype's range (fp16);
+        `prescales(dtype)` decides it per bucket dtype.
       * `floating_only`: reject non-floating input.
       * `exact`: decompresses to its input bit for bit, so its compression error is
         zero without measuring it (two passes over the bucket saved).
@@ -442,6 +443,12 @@ class Compressor(abc.ABC):
     def decompress(self, payload: Sequence[tf.Tensor], meta: Any) -> tf.Tensor:
         """Reconstructs a flat bucket (or the sum of buckets, for summed payloads)."""
         raise NotImplementedError(f"{type(self).__name__} has no single-round codec")
+
+    def prescales(self, dtype: tf.DType) -> bool:
+        """Whether a bucket of `dtype` is divided by the replica count before it is
+        compressed: `prescale` by default."""
+        del dtype
+        return self.prescale
 
     def steady_mode(self) -> int:
         """The mode of this compressor's steady state, past its warm-ups: the one the
@@ -706,6 +713,9 @@ class Wrapper(Compressor):
 
     def sparse_values_dtype(self, dtype: tf.DType) -> tf.DType | None:
         return self.inner.sparse_values_dtype(dtype)
+
+    def prescales(self, dtype: tf.DType) -> bool:
+        return self.inner.prescales(dtype)
 
     def decompress(self, payload: Sequence[tf.Tensor], meta: Any) -> tf.Tensor:
         return self.inner.decompress(payload, meta)

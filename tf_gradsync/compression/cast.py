@@ -18,7 +18,9 @@ class _Cast(Compressor):
     """Casts to a 16-bit wire dtype; halves the bytes of float32 gradients.
 
     Summation along a ring accumulates in float32 at each hop and is rounded once per
-    hop.
+    hop. A bucket already in 16 bits (float16, bfloat16: a mixed-precision model's) goes
+    as it is: the cast would save no byte, and fp16 would lose bfloat16's range (1e6
+    overflowed, 1e-9 vanished), bf16 float16's precision.
     """
 
     accuracy = "lossless"
@@ -27,7 +29,13 @@ class _Cast(Compressor):
 
     def compress(self, x: tf.Tensor, ctx: Context):
         del ctx
-        return (tf.cast(x, self.wire_dtype),), x.dtype
+        wire = self.wire_dtype if x.dtype.size > self.wire_dtype.size else x.dtype
+        return (tf.cast(x, wire),), x.dtype
+
+    def prescales(self, dtype: tf.DType) -> bool:
+        """Only what the cast narrows: a 16-bit bucket is summed as TensorFlow sums it,
+        its small values not divided towards zero first."""
+        return self.prescale and dtype.size > self.wire_dtype.size
 
     def decompress(self, payload: Sequence[tf.Tensor], meta: tf.DType) -> tf.Tensor:
         return tf.cast(payload[0], meta)

@@ -65,7 +65,8 @@ def run(compressor: Compressor, xs: Sequence[tf.Tensor], ctxs: Sequence[Context]
     """
     devices = list(devices) if devices is not None else [None] * len(xs)
     n = ctxs[0].num_replicas
-    if compressor.prescale and n > 1:
+    prescale = n > 1 and compressor.prescales(xs[0].dtype)
+    if prescale:
         xs = [_on(d, lambda x=x: x * tf.cast(1.0 / n, x.dtype)) for x, d in zip(xs, devices)]
     sent: dict[int, int] = {}
 
@@ -86,7 +87,7 @@ def run(compressor: Compressor, xs: Sequence[tf.Tensor], ctxs: Sequence[Context]
             total = tf.gather(tf.constant([sent[m] for m in range(len(sent))], tf.int64), index)
         else:   # eagerly only the chosen mode was built
             (total,) = sent.values()
-    out = [_on(d, lambda y=y: finish(y, mean, n, compressor.prescale))
+    out = [_on(d, lambda y=y: finish(y, mean, n, prescale))
            for y, d in zip(results, devices)]
     return Outcome(out, total, err, norm)
 

@@ -148,7 +148,7 @@ class Guard(Compressor):
             n = ctx.num_replicas
             # The fallback may need its input divided by the replica count (fp16's
             # range); the guard as a whole does not prescale.
-            scale = 1.0 / n if self.fallback.prescale and n > 1 else 1.0
+            scale = 1.0 / n if n > 1 and self.fallback.prescales(x.dtype) else 1.0
             reduced, pooled = yield from _carrying(
                 self.fallback.rounds(x * tf.cast(scale, x.dtype), sub), last)
             reduced = reduced / tf.cast(scale, reduced.dtype)
