@@ -375,18 +375,18 @@ def test_autotune_refuses_weights_it_cannot_see_and_a_strategy_without_ops(devic
 
 
 def test_autotune_prints_its_decision_and_takes_numpy_seconds(devices, capsys):
-    """The decision reaches the user without absl's verbosity raised; a numpy scalar is
-    a number of seconds."""
+    """The decision reaches the user without absl's verbosity raised; numpy's scalars
+    are numbers (of seconds, trials and steps) and flags."""
     strategy = _strategy(devices)
     ops = gs.autotune(strategy, [((64, 64), tf.float32)], compute=np.float32(0.01),
                       compressors=["none", "fp16"], probe_bytes=(4096, 1 << 16),
-                      calibrate_numel=20_000, bucket_sizes=(1 << 20,), trials=2,
-                      trial_steps=1)
+                      calibrate_numel=20_000, bucket_sizes=(1 << 20,), trials=np.int64(2),
+                      trial_steps=np.int32(1), runoff=np.float32(0.1), guard=np.False_)
     out = capsys.readouterr().out.splitlines()
     decision = [line for line in out if line.startswith("tf_gradsync.autotune: ")]
     assert len(decision) == 1 and f"exchange {ops.decision.exchange}" in decision[0]
     assert sum(line.startswith("tf_gradsync.autotune trial: ") for line in out) == 2
-    assert ops.decision.compute_s == pytest.approx(0.01)
+    assert ops.decision.compute_s == pytest.approx(0.01) and ops.decision.guard is False
     gs.autotune(strategy, [((64, 64), tf.float32)], compute=0.01, compressors=["fp16"],
                 probe_bytes=(4096, 1 << 16), calibrate_numel=20_000, trials=0, verbose=False,
                 install=False)

@@ -346,14 +346,17 @@ def autotune(strategy: tf.distribute.Strategy, weights, *, compute: float | Call
       >>> model.compile(...); model.fit(...)
     """
     for arg, value, low in (("trials", trials, 0), ("trial_steps", trial_steps, 1)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
             raise ValueError(f"{arg} must be an integer >= {low}, got {value!r}")
-    if isinstance(runoff, bool) or not isinstance(runoff, (int, float)) or not runoff >= 0:
+    if isinstance(runoff, bool) or not isinstance(runoff, numbers.Real) or not runoff >= 0:
         raise ValueError(f"runoff must be a fraction >= 0, got {runoff!r}")
     if make_step is not None and not callable(make_step):
         raise ValueError(f"make_step must build a step function, got {make_step!r}")
-    if guard is not None and not isinstance(guard, bool):
+    if guard is not None and not isinstance(guard, (bool, np.bool_)):
         raise ValueError(f"guard must be True, False or None, got {guard!r}")
+    # Numpy's numbers pass the checks; the decision keeps Python's.
+    trials, trial_steps, runoff = int(trials), int(trial_steps), float(runoff)
+    guard = None if guard is None else bool(guard)
     if isinstance(compressors, str):
         raise ValueError(f"compressors must be a list of names, got the string {compressors!r}"
                          f" (one: [{compressors!r}])")
