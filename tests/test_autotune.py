@@ -387,7 +387,8 @@ def test_autotune_prints_its_decision_and_takes_numpy_seconds(devices, capsys):
     assert len(decision) == 1 and f"exchange {ops.decision.exchange}" in decision[0]
     assert sum(line.startswith("tf_gradsync.autotune trial: ") for line in out) == 2
     assert ops.decision.compute_s == pytest.approx(0.01) and ops.decision.guard is False
-    gs.autotune(strategy, [((64, 64), tf.float32)], compute=0.01, compressors=["fp16"],
+    # A strategy of its own: the first call installed its pick, which may compress.
+    gs.autotune(_strategy(devices), [((64, 64), tf.float32)], compute=0.01, compressors=["fp16"],
                 probe_bytes=(4096, 1 << 16), calibrate_numel=20_000, trials=0, verbose=False,
                 install=False)
     assert "tf_gradsync.autotune" not in capsys.readouterr().out
