@@ -155,6 +155,59 @@ def test_gather_and_broadcast(devices):
     assert len(b.values) == 4 and all(np.allclose(x.numpy(), [1.5, 2.5]) for x in b.values)
 
 
+@pytest.mark.parametrize("name", ["topk", "sign", "dgc"])
+def test_two_reductions_of_one_shape_in_a_step_keep_their_own_state(devices, name):
+    """Twin models of one shape reduced in one step (a GAN, twin critics, an ensemble):
+    the second, whose gradient is zero, stays zero. With one state for both (keyed by
+    shape alone), it received the first one's residual or momentum."""
+    ops = gs.CompressedAllReduce(name)
+    strategy = tf.distribute.MirroredStrategy(devices, cross_device_ops=ops)
+
+    @tf.function
+    def step(seed):
+        def fn():
+            ctx = tf.distribute.get_replica_context()
+            g = tf.random.stateless_normal([64, 50], [seed, ctx.replica_id_in_sync_group])
+            first = ctx.all_reduce(SUM, [g, g[0]])
+            second = ctx.all_reduce(SUM, [tf.zeros_like(g), tf.zeros_like(g[0])])
+            return first, second
+        return strategy.run(fn)
+
+    for seed in range(3):
+        first, second = step(tf.constant(seed))
+        assert results(first[0])[0].any()
+        for t in second:
+            for r in results(t):
+                assert not r.any(), (seed, name)
+    assert ops.stats()["steps"] == 6
+
+
+def test_a_scalar_reduced_by_hand_is_exact_and_counts_no_step(devices):
+    """The loss all-reduced besides the gradients (a habit from Horovod): exact, and not
+    a step, so it neither moves `warmup_steps` on nor replaces the last step's stats."""
+    ops = gs.CompressedAllReduce("topk", warmup_steps=2)
+    strategy = tf.distribute.MirroredStrategy(devices, cross_device_ops=ops)
+
+    @tf.function
+    def step():
+        def fn():
+            ctx = tf.distribute.get_replica_context()
+            r = tf.cast(ctx.replica_id_in_sync_group, tf.float32)
+            grads = ctx.all_reduce(SUM, [tf.fill([40, 30], r)])
+            loss = ctx.all_reduce(SUM, 0.1 * r + 1.0 / 3)
+            return grads, loss
+        return strategy.run(fn)
+
+    for _ in range(2):
+        grads, loss = step()
+        for t in results(loss):
+            np.testing.assert_allclose(t, 0.6 + 4 / 3, rtol=1e-6)
+        # Still within the warm-up: the gradients too are exact.
+        np.testing.assert_allclose(results(grads[0])[0], 6.0)
+    stats = ops.stats()
+    assert stats["steps"] == 2 and stats["last_bytes_dense"] > 1000
+
+
 def test_repeated_calls_and_retracing_in_tf_function(devices):
     ops = gs.CompressedAllReduce("none", bucket_bytes=64)
     strategy = tf.distribute.MirroredStrategy(devices, cross_device_ops=ops)

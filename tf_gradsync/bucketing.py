@@ -59,6 +59,15 @@ class BucketPlan:
     num_tensors: int
     fingerprint: str    # stable across processes: keys per-bucket state
 
+    def nth(self, ordinal: int) -> "BucketPlan":
+        """The same buckets for the `ordinal`-th reduction of these tensors in one step
+        (0: this plan): another fingerprint, so its state, seeds and collectives are its
+        own."""
+        if ordinal == 0:
+            return self
+        key = f"{self.fingerprint}/{ordinal}".encode()
+        return dataclasses.replace(self, fingerprint=hashlib.sha1(key).hexdigest()[:12])
+
     def pack(self, tensors: Sequence[tf.Tensor]) -> list[tf.Tensor]:
         """Flattens and concatenates `tensors` into one 1-D tensor per bucket."""
         if len(tensors) != self.num_tensors:

@@ -15,6 +15,7 @@ exactly where it is needed, from copies of every replica's tensor.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Iterator, Sequence
 
 import tensorflow as tf
@@ -64,6 +65,8 @@ class Pipeline:
         self.state = state
         self.timeout = timeout
         self._plans: dict[tuple, BucketPlan] = {}
+        # Per traced graph, how many reductions of each plan it has built so far.
+        self._ordinals: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._exchanges: dict[tuple, str] = {}   # "auto"'s choice per bucket layout
         self._exact = NoCompression()
         #: Workers taking part (set by a multi-worker strategy). Each has the same
@@ -149,6 +152,20 @@ class Pipeline:
             self._plans[key] = plan_buckets(specs, self.bucket_bytes)
         return self._plans[key]
 
+    def _plan_of_call(self, plan: BucketPlan) -> BucketPlan:
+        """`plan` for the n-th reduction of its tensors in the graph being traced
+        (`BucketPlan.nth`): two models of one shape trained in one step (twin critics, an
+        ensemble, a GAN's two halves) reduce through state of their own, not one
+        residual or momentum for both. Graphs are traced alike on every worker and in
+        every run, so each call keeps its state across restarts; the first keeps the
+        keys of a plan alone. Eagerly, every call is the first."""
+        if tf.executing_eagerly():
+            return plan
+        seen = self._ordinals.setdefault(tf.compat.v1.get_default_graph(), {})
+        ordinal = seen.get(plan.fingerprint, 0)
+        seen[plan.fingerprint] = ordinal + 1
+        return plan.nth(ordinal)
+
     def _bucketed(self, compressor: Compressor, reduce_op, per_device: list[list[tf.Tensor]],
                   src: tuple[str, ...], dests: tuple[str, ...], step: tf.Tensor, timeout: float):
         """Reduces one group of dense values bucket by bucket.
@@ -160,7 +177,7 @@ class Pipeline:
         """
         n = len(src)
         total = n * self.num_workers
-        plan = self.plan([(t.shape, t.dtype) for t in per_device[0]])
+        plan = self._plan_of_call(self.plan([(t.shape, t.dtype) for t in per_device[0]]))
         flats = []
         for r, d in enumerate(src):
             with tf.device(d), tf.name_scope("pack"):
@@ -280,13 +297,17 @@ def _state_prefix(compressor: Compressor, plan: BucketPlan) -> str:
 
 
 def path_of(value, compress: bool = True) -> str:
-    """Which path a PerReplica value takes: "compressed", "exact", "sparse" or "dynamic"."""
+    """Which path a PerReplica value takes: "compressed", "exact", "sparse" or "dynamic".
+
+    A scalar (a loss or a metric reduced by hand) is exact: compressing one number saves
+    nothing, and a step's gradients would not be the only call counted as a step."""
     first = value.values[0]
     if isinstance(first, tf.IndexedSlices):
         return "sparse"
     if not first.shape.is_fully_defined():
         return "dynamic"
-    return "compressed" if compress and first.dtype.is_floating else "exact"
+    compressed = compress and first.dtype.is_floating and first.shape.rank > 0
+    return "compressed" if compressed else "exact"
 
 
 def _gather_sum(reduce_op, tensors: Sequence, src, dests, wire: Wire, plain: Wire,
