@@ -177,6 +177,22 @@ HIERARCHICAL_MODES = ("fp16:auto", "powersgd:auto", "sign:gather", "sign:two_pha
                       "topk:two_phase")
 
 
+def test_twin_reductions_keep_their_own_state_across_workers(tmp_path):
+    """Two reductions of one shape in a step, across two workers: the second (zero)
+    stays zero (its collectives and state are its own, keyed alike on both workers),
+    both workers agree, and the loss all-reduced by hand is exact and no step."""
+    from _multiworker import run_launcher
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_twin_worker.py")
+    proc, _ = run_launcher(script, 2, str(tmp_path), timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    runs = [json.loads((tmp_path / f"worker_{r}.json").read_text()) for r in range(2)]
+    for a, b in zip(runs[0]["steps"], runs[1]["steps"]):
+        assert a["first"] == b["first"] and a["loss"] == b["loss"]
+        assert a["second"] == b["second"] == 0 and np.abs(a["first"]).sum() > 0
+        assert a["loss"] == pytest.approx(a["own_loss"] + b["own_loss"], rel=1e-6)
+    assert runs[0]["synchronisations"] == 6
+
+
 @pytest.mark.slow
 def test_two_workers_of_two_devices_match_four_devices_of_one_process(tmp_path, devices):
     """With several devices per worker, every exchange (hierarchical sums, gathers, two
