@@ -1,5 +1,7 @@
 """CompressedAllReduce against TensorFlow's ReductionToOneDevice, on 4 logical CPUs."""
 
+import warnings
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -180,6 +182,21 @@ def test_two_reductions_of_one_shape_in_a_step_keep_their_own_state(devices, nam
             for r in results(t):
                 assert not r.any(), (seed, name)
     assert ops.stats()["steps"] == 6
+
+
+def test_dgc_warns_once_when_no_optimizer_can_be_checked(devices):
+    """Gradients all-reduced by hand, before an apply_gradients that does not aggregate:
+    DGC cannot refuse an optimizer's momentum it does not see, so it says so, once."""
+    ops = gs.CompressedAllReduce("dgc")
+    strategy = tf.distribute.MirroredStrategy(devices, cross_device_ops=ops)
+    step = tf.function(lambda: strategy.run(
+        lambda: tf.distribute.get_replica_context().all_reduce(SUM, [tf.ones([40, 30])])))
+    with pytest.warns(UserWarning, match="dgc applies momentum 0.9 itself.*SGD"):
+        step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tf.function(lambda: strategy.run(
+            lambda: tf.distribute.get_replica_context().all_reduce(SUM, [tf.ones([4, 3])])))()
 
 
 def test_a_scalar_reduced_by_hand_is_exact_and_counts_no_step(devices):

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import warnings
 import weakref
 from typing import Any, Callable, Sequence
 
@@ -599,7 +600,11 @@ def _reduction(strategy: tf.distribute.Strategy, specs
                 # One entry of each result: waiting for it waits for the whole
                 # reduction, without copying the gradients out.
                 return tf.add_n([tf.cast(tf.reshape(t, [-1])[0], tf.float32) for t in out])
-            return strategy.experimental_local_results(strategy.run(fn, args=(values,)))
+            # No optimizer applies these: a compressor's warning of one it cannot see
+            # (`Compressor.optimizer_unseen`) is not about the job.
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                return strategy.experimental_local_results(strategy.run(fn, args=(values,)))
         return reduce
     return build
 

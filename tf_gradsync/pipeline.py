@@ -116,6 +116,8 @@ class Pipeline:
             optimizer = _tf_compat.calling_optimizer()
             if optimizer is not None:
                 self.compressor.check_optimizer(optimizer)
+            else:
+                self.compressor.optimizer_unseen()
 
         with tf.name_scope(SCOPE):
             for kind, compressor in (("compressed", self.compressor), ("exact", self._exact)):

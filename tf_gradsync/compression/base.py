@@ -628,6 +628,12 @@ class Compressor(abc.ABC):
                 changes["nesterov"] = False
         return factor, changes
 
+    def optimizer_unseen(self) -> None:
+        """Called instead of `check_optimizer` when no optimizer applies the gradients
+        being reduced (they are all-reduced by hand, before an `apply_gradients` that
+        does not aggregate): a compressor that cannot train with some optimizers says
+        so here. Nothing by default."""
+
     def check_optimizer(self, optimizer: Any) -> None:
         """Raises ValueError when this compressor cannot train with `optimizer`.
 
@@ -694,6 +700,9 @@ class Wrapper(Compressor):
 
     def check_optimizer(self, optimizer: Any) -> None:
         self.inner.check_optimizer(optimizer)
+
+    def optimizer_unseen(self) -> None:
+        self.inner.optimizer_unseen()
 
     def _optimizer_changes(self, optimizer: Any) -> tuple[float, dict]:
         return self.inner._optimizer_changes(optimizer)  # pylint: disable=protected-access

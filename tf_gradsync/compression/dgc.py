@@ -8,6 +8,7 @@ References:
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import tensorflow as tf
@@ -89,6 +90,7 @@ class DGC(_sparse.SparseDecoding, Compressor):
         self.sample_ratio = sample_ratio
         self.ratios = self._stages()
         self.num_modes = len(self.ratios)
+        self._warned_unseen = False
 
     def _stages(self) -> tuple[float, ...]:
         """The kept fraction of each warm-up stage, ending with `ratio`."""
@@ -125,6 +127,17 @@ class DGC(_sparse.SparseDecoding, Compressor):
                 "with momentum=0.0 (sparsification with accumulation, no momentum "
                 "correction)")
         super().check_optimizer(optimizer)
+
+    def optimizer_unseen(self) -> None:
+        """Warns, once, that the optimizer's momentum cannot be refused (gradients
+        all-reduced by hand): under SGD with momentum 0.9 the two compound unseen."""
+        if self.momentum > 0 and not self._warned_unseen:
+            self._warned_unseen = True
+            warnings.warn(
+                f"dgc applies momentum {self.momentum} itself, and these gradients are "
+                "all-reduced outside an optimizer's apply_gradients, so the optimizer "
+                "that applies them cannot be checked: give it no momentum of its own "
+                "(SGD(momentum=0.0)), or the two compound", UserWarning, stacklevel=2)
 
     def required_optimizer_changes(self, optimizer: Any) -> dict:
         """While DGC applies momentum, SGD's or RMSprop's own goes (`momentum`,

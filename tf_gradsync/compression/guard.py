@@ -84,6 +84,9 @@ class Guard(Compressor):
             self.fallback.check_optimizer(optimizer)
         super().check_optimizer(optimizer)
 
+    def optimizer_unseen(self) -> None:
+        self.inner.optimizer_unseen()
+
     def send_interval(self) -> float:
         return self.inner.send_interval()
 
