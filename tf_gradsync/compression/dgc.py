@@ -53,8 +53,8 @@ class DGC(_sparse.SparseDecoding, Compressor):
 
     Payload: `(values, indices)`, values in the input dtype and int32 indices, K
     entries (the sum of the tensors' k, padded with zeros at unselected entries):
-    K * (itemsize + 4) bytes. All-gathered; biased. A non-finite gradient sends NaN values and
-    resets u and v to zero.
+    K * (itemsize + 4) bytes. All-gathered; biased. A non-finite gradient sends NaN
+    values and resets u and v to zero.
 
     Args:
       ratio: fraction of entries sent after warm-up, in (0, 1].
