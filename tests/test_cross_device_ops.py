@@ -184,6 +184,23 @@ def test_two_reductions_of_one_shape_in_a_step_keep_their_own_state(devices, nam
     assert ops.stats()["steps"] == 6
 
 
+def test_the_guard_reports_the_buckets_of_every_reduction(devices):
+    """Twin reductions of one shape have buckets of their own, and the guard's count in
+    `stats()` holds both."""
+    ops = gs.CompressedAllReduce("topk", guard=True)
+    strategy = tf.distribute.MirroredStrategy(devices, cross_device_ops=ops)
+
+    @tf.function
+    def step():
+        def fn():
+            ctx = tf.distribute.get_replica_context()
+            return [ctx.all_reduce(SUM, [tf.ones([40, 30])]) for _ in range(2)]
+        return strategy.run(fn)
+
+    step()
+    assert ops.stats()["guarded_buckets"] == 2
+
+
 def test_dgc_warns_once_when_no_optimizer_can_be_checked(devices):
     """Gradients all-reduced by hand, before an apply_gradients that does not aggregate:
     DGC cannot refuse an optimizer's momentum it does not see, so it says so, once."""

@@ -67,6 +67,8 @@ class Pipeline:
         self._plans: dict[tuple, BucketPlan] = {}
         # Per traced graph, how many reductions of each plan it has built so far.
         self._ordinals: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # Every plan a reduction has taken (`_plan_of_call`), by fingerprint.
+        self._built: dict[str, BucketPlan] = {}
         self._exchanges: dict[tuple, str] = {}   # "auto"'s choice per bucket layout
         self._exact = NoCompression()
         #: Workers taking part (set by a multi-worker strategy). Each has the same
@@ -161,12 +163,14 @@ class Pipeline:
         residual or momentum for both. Graphs are traced alike on every worker and in
         every run, so each call keeps its state across restarts; the first keeps the
         keys of a plan alone. Eagerly, every call is the first."""
-        if tf.executing_eagerly():
-            return plan
-        seen = self._ordinals.setdefault(tf.compat.v1.get_default_graph(), {})
-        ordinal = seen.get(plan.fingerprint, 0)
-        seen[plan.fingerprint] = ordinal + 1
-        return plan.nth(ordinal)
+        ordinal = 0
+        if not tf.executing_eagerly():
+            seen = self._ordinals.setdefault(tf.compat.v1.get_default_graph(), {})
+            ordinal = seen.get(plan.fingerprint, 0)
+            seen[plan.fingerprint] = ordinal + 1
+        plan = plan.nth(ordinal)
+        self._built.setdefault(plan.fingerprint, plan)
+        return plan
 
     def _bucketed(self, compressor: Compressor, reduce_op, per_device: list[list[tf.Tensor]],
                   src: tuple[str, ...], dests: tuple[str, ...], step: tf.Tensor, timeout: float):
@@ -269,7 +273,7 @@ class Pipeline:
         """The first replica's state of each bucket the compressor has built so far, by
         `state_spec` name (what `Compressor.report` reads), found as it is iterated:
         `stats()` runs after every batch, and most compressors report nothing."""
-        for plan in self._plans.values():
+        for plan in self._built.values():
             prefix = _state_prefix(self.compressor, plan)
             for b in plan.buckets:
                 names = self.compressor.state_spec(b.layout)
