@@ -27,6 +27,7 @@ flags.DEFINE_integer("epochs", 30, "Training epochs.", lower_bound=1)
 flags.DEFINE_integer("devices", 4, "Logical CPU devices (replicas).", lower_bound=1)
 flags.DEFINE_integer("batch_size", 64, "Global batch size.", lower_bound=1)
 flags.DEFINE_integer("seed", 0, "Random seed.")
+train_digits.check_batch_flags()
 
 
 def main(argv):

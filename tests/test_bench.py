@@ -138,6 +138,8 @@ def test_examples_refuse_bad_flags_before_training():
             ("train_digits.py", ["--learning_rate=-1"], "--learning_rate must be > 0"),
             ("train_digits.py", ["--config=/no/such.yaml"], "--config: no such file"),
             ("custom_loop_digits.py", ["--batch_size=2000"], "at most 1437, the training images"),
+            ("monitor_digits.py", ["--devices=3"], "--batch_size must be a multiple of "),
+            ("monitor_digits.py", ["--epochs=0"], "flag --epochs=0: 0 is not a positive"),
             ("synthetic_benchmark.py", ["--steps=0"], "flag --steps=0: 0 is not a positive")]:
         out = subprocess.run([sys.executable, os.path.join(root, "examples", script), *args],
                              env=env, capture_output=True, text=True, timeout=120)
