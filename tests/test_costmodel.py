@@ -63,6 +63,57 @@ def test_exchange_prices_follow_alpha_beta(n):
     assert exchange_seconds("gather", 1, p, link) == 0
 
 
+@pytest.mark.parametrize("n,local", [(2, 2), (4, 8)])
+def test_workers_of_several_devices_are_priced_as_their_exchanges_run(n, local):
+    a, b, p = 1e-4, 1e9, 4e6
+    link, fast, m = Link(a, b), Link(1e-6, 1e11), n * local
+    # Gathers run as one ring of all M devices, a worker's next to each other: the hop
+    # out of a worker carries every other member's payload.
+    assert exchange_seconds("gather", n, p, link, local=local) == pytest.approx(
+        (m - 1) * (a + p / b))
+    assert bytes_sent("gather", n, p, local=local) == (m - 1) * p
+    # Two phases among the M devices: the worker's link carries what its devices send
+    # to the other workers' devices.
+    assert exchange_seconds("two_phase", n, p, link, server_bytes=2 * p, local=local) == (
+        pytest.approx((all_to_all_rounds(m) + m - 1) * a + local * (n - 1) / n * 3 * p / b))
+    # Hierarchical sums share one ring's bytes among the worker's devices.
+    assert bytes_sent("hierarchical", n, p, local=local) == pytest.approx(2 * (n - 1) / n * p)
+    inner, outer = exchange_seconds("ring", local, p, fast), exchange_seconds("ring", n, p, link)
+    assert exchange_seconds("hierarchical", n, p, link, local=local, local_link=fast) == (
+        pytest.approx(inner + outer))
+    for flat in ("ring", "tree"):
+        with pytest.raises(ValueError, match=f"not '{flat}'; valid with local={local}: "
+                                             "hierarchical, gather, two_phase"):
+            exchange_seconds(flat, n, p, link, local=local)
+    with pytest.raises(ValueError, match="local must be an integer >= 1"):
+        exchange_seconds("gather", n, p, link, local=0)
+
+
+def test_predict_prices_workers_of_several_devices():
+    """Summed payloads travel in the hierarchical exchange; each device decodes the
+    gathered payloads of all N L members, as N L workers of one device would."""
+    link, fast = Link(1e-4, 1e9), Link(1e-6, 1e11)
+    assert costmodel.exchanges_for("fp16", 4) == ("hierarchical",)
+    assert costmodel.exchanges_for("fp16") == ("ring", "tree")
+    assert costmodel.exchanges_for("topk", 4) == ("gather", "two_phase")
+    fp16 = costmodel.model_payloads("fp16", SPECS, 4096, 8)
+    p = costmodel.predict("fp16", fp16, "hierarchical", 2, link, 0.1, 1e9, local=4,
+                          local_link=fast)
+    assert p.wire_s == pytest.approx(sum(
+        exchange_seconds("hierarchical", 2, b.rounds[0][1], link, local=4, local_link=fast)
+        for b in fp16))
+    assert p.bytes_per_worker == pytest.approx(sum(b.rounds[0][1] for b in fp16))  # 2(N-1)/N
+    with pytest.raises(ValueError, match="fp16 cannot travel in 'ring'; valid: hierarchical"):
+        costmodel.predict("fp16", fp16, "ring", 2, link, 0.1, local=4)
+    topk = costmodel.model_payloads("topk", SPECS, 4096, 8)
+    for exchange in ("gather", "two_phase"):
+        several = costmodel.predict("topk", topk, exchange, 2, link, 0.1, 1e9, local=4)
+        single = costmodel.predict("topk", topk, exchange, 8, link, 0.1, 1e9)
+        assert several.codec_s == pytest.approx(single.codec_s)
+    gather = costmodel.predict("topk", topk, "gather", 2, link, 0.1, 1e9, local=4)
+    assert gather.bytes_per_worker == pytest.approx(7 * sum(b.rounds[0][1] for b in topk))
+
+
 def test_unknown_exchange_names_the_valid_ones():
     with pytest.raises(ValueError, match="ring, tree, gather, two_phase, hierarchical"):
         exchange_seconds("butterfly", 4, 1e6)

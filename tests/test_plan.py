@@ -46,6 +46,29 @@ def test_rows_are_the_cost_models_predictions():
     assert topk["two_phase"]["bytes_per_worker"] < topk["gather"]["bytes_per_worker"]
 
 
+def test_several_devices_per_worker_price_what_the_job_runs():
+    specs = plan.specs_of(None, 1_000_000)
+    local = Link(10e-6, parse_bandwidth("100gbit"))
+    rows = plan.plan(specs, ["fp16", "topk"], [1, 2], ["1gbit"], 0.05, devices=4,
+                     local_link=local)
+    assert all(r["devices_per_worker"] == 4 for r in rows)
+    # One worker's devices are the members, on the link between them.
+    alone = plan.plan(specs, ["fp16", "topk"], [4], ["100gbit"], 0.05, latency_s=10e-6)
+    one = [r for r in rows if r["workers"] == 1]
+    assert [(r["compressor"], r["exchange"]) for r in one] == [
+        (r["compressor"], r["exchange"]) for r in alone]
+    for a, b in zip(one, alone):
+        assert a["predicted_step_s"] == pytest.approx(b["predicted_step_s"])
+    # Between workers, sums go hierarchically: one ring's bytes per worker.
+    two = {(r["compressor"], r["exchange"]): r for r in rows if r["workers"] == 2}
+    assert set(two) == {("fp16", "hierarchical"), ("topk", "gather"), ("topk", "two_phase")}
+    fp16 = costmodel.model_payloads("fp16", specs, DEFAULT_BUCKET_BYTES, 8)
+    assert two["fp16", "hierarchical"]["bytes_per_worker"] == round(
+        sum(b.rounds[0][1] for b in fp16))
+    with pytest.raises(ValueError, match="devices per worker must be an integer >= 1, got 0"):
+        plan.plan(specs, ["fp16"], [2], ["1gbit"], 0.05, devices=0)
+
+
 def test_calibration_measures_each_data_path_and_its_cost_per_call():
     rates, calls = plan.calibrate_codecs(["none", "sign"], 1 << 16)
     assert rates.keys() == calls.keys() == {"none", "sign"}
@@ -144,6 +167,14 @@ def test_the_command_line_prints_and_writes_rows(tmp_path):
     assert all(KEYS <= set(r) for r in rows)
     best_none = max(r["predicted_speedup"] for r in rows if r["compressor"] == "none")
     assert best_none == pytest.approx(1.0)
+    proc = _cli("--params=250000", "--workers=4", "--bandwidth=1gbit", "--compute_s=0.01",
+                "--compressors=fp16,sign", "--devices_per_worker=8", "--local_bandwidth=2400gbit",
+                f"--json={out}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "8 devices per worker, 2400gbit and 10 us between them" in proc.stdout
+    rows = json.loads(out.read_text())
+    assert {(r["compressor"], r["exchange"], r["devices_per_worker"]) for r in rows} == {
+        ("fp16", "hierarchical", 8), ("sign", "gather", 8), ("sign", "two_phase", 8)}
 
 
 @pytest.mark.parametrize("args,message", [
@@ -169,6 +200,12 @@ def test_the_command_line_prints_and_writes_rows(tmp_path):
      "--model=/no/such/model.keras: no such file"),
     (["--params=1000", "--compute_s=1", "--imports=no_such_module_here"],
      "--imports=no_such_module_here: No module named 'no_such_module_here'"),
+    (["--params=1000", "--compute_s=1", "--devices_per_worker=0"],
+     "flag --devices_per_worker=0: 0 is not a positive integer"),
+    (["--params=1000", "--compute_s=1", "--devices_per_worker=2", "--local_bandwidth=nvlink"],
+     "--local_bandwidth: bandwidth 'nvlink' is not a rate"),
+    (["--params=1000", "--compute_s=1", "--local_latency_us=-1"],
+     "--local_latency_us must be a finite number >= 0, got -1.0"),
 ])
 def test_bad_flags_say_what_is_wrong(args, message):
     with pytest.raises(SystemExit) as e:

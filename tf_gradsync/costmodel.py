@@ -101,7 +101,9 @@ def bucket_rounds(compressor: Compressor, layout: Layout) -> tuple[tuple[str, in
 def model_payloads(compressor: Compressor | str, specs: Sequence[tuple[Sequence[int], tf.DType]],
                    bucket_bytes: int, workers: int) -> list[BucketPayload]:
     """Every bucket's payload for a model's gradients (`specs`: shape and dtype per
-    trainable variable, in the model's order), as `CompressedAllReduce` would plan them.
+    trainable variable, in the model's order), as `CompressedAllReduce` would plan them,
+    among `workers` members (every device of every worker: two phases cut a bucket into
+    one chunk per member).
 
     Raises:
       ValueError: as `plan_buckets` and `compression.get` do.
@@ -149,9 +151,12 @@ class Prediction:
 
 
 def exchanges_for(compressor: Compressor | str, local: int = 1) -> tuple[str, ...]:
-    """The exchanges a compressor's payloads can travel in."""
+    """The exchanges a compressor's payloads can travel in between workers of `local`
+    devices each: summed ones in a ring or a tree among workers of one device, in the
+    hierarchical exchange among workers of several (what `CompressedAllReduce` runs
+    there); gathered ones in a gather or two phases."""
     if get(compressor).summable:
-        return ALL_REDUCES if local > 1 else ALL_REDUCES[:2]
+        return ("hierarchical",) if local > 1 else ALL_REDUCES[:2]
     return ("gather", "two_phase")
 
 
@@ -171,8 +176,8 @@ def predict(compressor: Compressor | str, payloads: Sequence[BucketPayload], exc
 
     Args:
       compressor: a name or instance (names the row; its payloads are `payloads`).
-      payloads: `model_payloads` of this compressor.
-      exchange: one of `exchanges_for(compressor)`.
+      payloads: `model_payloads` of this compressor among all N L devices.
+      exchange: one of `exchanges_for(compressor, local)`.
       workers: N.
       link: between workers.
       compute_s: seconds of forward and backward per step.
@@ -181,8 +186,8 @@ def predict(compressor: Compressor | str, payloads: Sequence[BucketPayload], exc
       overlap: share of the compute that exchanges may hide behind, in [0, 1].
       cpu_share: cores per worker when workers share cores (e.g. 0.5: two workers on
         one core); codec time scales by its inverse when below 1.
-      local: devices per worker ("hierarchical").
-      local_link: between a worker's devices.
+      local: L, devices per worker (the codec runs on each device at once).
+      local_link: between a worker's devices (default: `link`).
       jit_compile: whether the ops compile their decodings (`CompressedAllReduce`'s
         setting): a gather's further payloads then cost `DECODE_SHARE_COMPILED` of a
         round trip each where the compressor's decodings compile, else `DECODE_SHARE`.
@@ -207,7 +212,8 @@ def predict(compressor: Compressor | str, payloads: Sequence[BucketPayload], exc
     if not call_s >= 0:
         raise ValueError(f"call_s must be >= 0, got {call_s!r}")
     rate = throughput or THROUGHPUT.get(c.name, DEFAULT_THROUGHPUT)
-    n, sent, wire, codec, last = workers, 0.0, 0.0, 0.0, 0.0
+    # Each device decodes the payloads of all N L members.
+    n, sent, wire, codec, last = workers * local, 0.0, 0.0, 0.0, 0.0
     for b in payloads:
         roundtrip = b.dense_bytes / rate
         if exchange == "two_phase" and b.chunks is not None:
@@ -219,13 +225,15 @@ def predict(compressor: Compressor | str, payloads: Sequence[BucketPayload], exc
         else:
             # SUM rounds are all-reduced (by `exchange` if it is an all-reduce),
             # GATHER rounds all-gathered (also a two-phase bucket too small to cut).
-            reduce = exchange if exchange in ALL_REDUCES else "ring"
+            reduce = (exchange if exchange in ALL_REDUCES
+                      else "hierarchical" if local > 1 else "ring")
             kind_bytes = [("gather" if t == GATHER else reduce, p, None) for t, p in b.rounds]
             gathered = any(t == GATHER for t, _ in b.rounds)
             share = DECODE_SHARE_COMPILED if jit_compile and c.xla_decode else DECODE_SHARE
             work = roundtrip * (1 + (n - 1) * share if gathered else 1) + call_s
-        w = sum(exchange_seconds(k, n, p, link, s, local, local_link) for k, p, s in kind_bytes)
-        sent += sum(bytes_sent(k, n, p, s) for k, p, s in kind_bytes)
+        w = sum(exchange_seconds(k, workers, p, link, s, local, local_link)
+                for k, p, s in kind_bytes)
+        sent += sum(bytes_sent(k, workers, p, s, local) for k, p, s in kind_bytes)
         work /= min(cpu_share, 1.0)
         wire, codec, last = wire + w, codec + work, w + work
     exposed = max(last, wire + codec - overlap * compute_s)

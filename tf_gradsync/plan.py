@@ -29,6 +29,9 @@ from absl import flags
 
 from tf_gradsync.config import DEFAULT_BUCKET_BYTES
 
+#: The link between a worker's devices unless told: about PCIe 3.0 x16.
+LOCAL_BANDWIDTH, LOCAL_LATENCY_US = "100gbit", 10.0
+
 FLAGS = flags.FlagValues()
 flags.DEFINE_integer("params", None, "Model size in weights (one square Dense layer and its "
                      "bias; past 2^30 weights, several of at most 2^30).", flag_values=FLAGS)
@@ -41,6 +44,14 @@ flags.DEFINE_list("bandwidth", ["1gbit"], "Link rate per worker, tc style: kbit,
                   "bits per second, kbps, mbps, gbps BYTES per second (100mbit, 1gbit, 25gbit; "
                   "several: a row per value).", flag_values=FLAGS)
 flags.DEFINE_float("latency_us", 50.0, "Latency per message, microseconds.", flag_values=FLAGS)
+flags.DEFINE_integer("devices_per_worker", 1, "Devices (GPUs) per worker: summed payloads go "
+                     "in the hierarchical exchange, gathered ones among every device.",
+                     lower_bound=1, flag_values=FLAGS)
+flags.DEFINE_string("local_bandwidth", LOCAL_BANDWIDTH, "Link rate between a worker's devices, "
+                    "as --bandwidth (100gbit: about PCIe 3.0 x16; NVLink is several times more).",
+                    flag_values=FLAGS)
+flags.DEFINE_float("local_latency_us", LOCAL_LATENCY_US, "Latency per message between a "
+                   "worker's devices, microseconds.", flag_values=FLAGS)
 flags.DEFINE_float("compute_s", None, "Forward + backward seconds per step (or --calibrate).",
                    flag_values=FLAGS)
 flags.DEFINE_list("compressors", None, "Compressors (default: every registered one), each a "
@@ -64,8 +75,8 @@ flags.DEFINE_string("png", None, "Draw the best speed-up per compressor against 
 #: `--params` past this many weights is priced as several square layers of at most
 #: this many each: the sparsifiers' int32 indices address 2^31 - 1 entries of a tensor.
 MAX_LAYER = 1 << 30
-COLUMNS = ["compressor", "exchange", "workers", "bandwidth", "bytes_per_worker", "wire_s",
-           "codec_s", "predicted_step_s", "predicted_speedup"]
+COLUMNS = ["compressor", "exchange", "workers", "devices_per_worker", "bandwidth",
+           "bytes_per_worker", "wire_s", "codec_s", "predicted_step_s", "predicted_speedup"]
 #: Elements compressed per compressor when calibrating (a 2000 x 2000 matrix).
 CALIBRATE_NUMEL = 4_000_000
 
@@ -177,11 +188,15 @@ def calibrate_codecs(specs: Sequence[str], numel: int = CALIBRATE_NUMEL
 def plan(specs, compressors: Sequence[str], workers: Sequence[int], bandwidths: Sequence[str],
          compute_s: float, latency_s: float = 50e-6, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
          overlap: float = 0.0, throughput: dict[str, float] | None = None,
-         call_s: dict[str, float] | None = None) -> list[dict]:
+         call_s: dict[str, float] | None = None, devices: int = 1,
+         local_link=None) -> list[dict]:
     """One row per (workers, bandwidth, compressor, exchange), as in `COLUMNS`.
 
     `predicted_speedup` is `none`'s fastest exchange over this row's step, for the
-    same workers and bandwidth.
+    same workers and bandwidth. With several `devices` per worker, `bytes_per_worker`
+    is what a worker's devices send to the other workers together; one worker's
+    devices exchange as members on `local_link`, as one process's devices do (its
+    `bytes_per_worker` is then what each device sends).
 
     Args:
       specs: `(shape, dtype)` of every trainable weight.
@@ -194,6 +209,9 @@ def plan(specs, compressors: Sequence[str], workers: Sequence[int], bandwidths: 
       overlap: see `costmodel.predict`.
       throughput: bytes/s per compressor name (default: `costmodel.THROUGHPUT`).
       call_s: seconds per data path call by name (`calibrate_codecs`; default 0).
+      devices: devices per worker, each computing and compressing its own gradients.
+      local_link: `algorithms.cost.Link` between a worker's devices (default:
+        `LOCAL_LATENCY_US`, `LOCAL_BANDWIDTH`).
 
     Raises:
       ValueError: for a bad compressor, rate or setting (naming it and the choices).
@@ -201,22 +219,29 @@ def plan(specs, compressors: Sequence[str], workers: Sequence[int], bandwidths: 
     from tf_gradsync import costmodel  # pylint: disable=import-outside-toplevel
     from tf_gradsync.algorithms.cost import Link, parse_bandwidth  # pylint: disable=import-outside-toplevel
     from tf_gradsync.bench import ops_from_spec  # pylint: disable=import-outside-toplevel
+    if not (isinstance(devices, int) and devices >= 1):
+        raise ValueError(f"devices per worker must be an integer >= 1, got {devices!r}")
+    local_link = local_link or Link(LOCAL_LATENCY_US * 1e-6, parse_bandwidth(LOCAL_BANDWIDTH))
     links = [(b, Link(latency_s, parse_bandwidth(b))) for b in bandwidths]
     built = {spec: ops_from_spec(spec) for spec in dict.fromkeys(["none", *compressors])}
     rows = []
     for n in workers:
-        payloads = {s: costmodel.model_payloads(ops.compressor, specs, bucket_bytes, n)
+        payloads = {s: costmodel.model_payloads(ops.compressor, specs, bucket_bytes, n * devices)
                     for s, ops in built.items()}
         for band, link in links:
+            # One worker's devices are the members, on the link between them.
+            members, local, wire = (devices, 1, local_link) if n == 1 else (n, devices, link)
             group = []
             for spec, ops in built.items():
                 rate = (throughput or {}).get(spec)
-                for ex in costmodel.exchanges_for(ops.compressor):
-                    p = costmodel.predict(ops.compressor, payloads[spec], ex, n, link, compute_s,
-                                          rate, overlap, jit_compile=ops.jit_compile,
+                for ex in costmodel.exchanges_for(ops.compressor, local):
+                    p = costmodel.predict(ops.compressor, payloads[spec], ex, members, wire,
+                                          compute_s, rate, overlap, local=local,
+                                          local_link=local_link, jit_compile=ops.jit_compile,
                                           call_s=(call_s or {}).get(spec, 0.0))
                     group.append({"compressor": spec, "exchange": ex, "workers": n,
-                                  "bandwidth": band, "bytes_per_worker": round(p.bytes_per_worker),
+                                  "devices_per_worker": devices, "bandwidth": band,
+                                  "bytes_per_worker": round(p.bytes_per_worker),
                                   "wire_s": p.wire_s, "codec_s": p.codec_s,
                                   "predicted_step_s": p.step_s})
             base = min(r["predicted_step_s"] for r in group if r["compressor"] == "none")
@@ -244,7 +269,8 @@ def _check_flags(rest: Sequence[str]) -> None:
     if not FLAGS.bandwidth:
         raise ValueError("--bandwidth needs at least one rate (e.g. --bandwidth=1gbit)")
     checks = [("compute_s", FLAGS.compute_s, 0, False), ("latency_us", FLAGS.latency_us, 0, False),
-              ("codec_gbps", FLAGS.codec_gbps, 0, True), ("batch", FLAGS.batch, 1, False)]
+              ("codec_gbps", FLAGS.codec_gbps, 0, True), ("batch", FLAGS.batch, 1, False),
+              ("local_latency_us", FLAGS.local_latency_us, 0, False)]
     for name, value, low, above in checks:
         if value is not None and not (math.isfinite(value) and
                                       (value > low if above else value >= low)):
@@ -263,6 +289,8 @@ def main(argv: Sequence[str]) -> None:
     except flags.Error as e:
         sys.exit(f"plan: {e}\nSee --help.")
     from tf_gradsync import compression  # pylint: disable=import-outside-toplevel
+    from tf_gradsync.algorithms.cost import (  # pylint: disable=import-outside-toplevel
+        Link, parse_bandwidth)
     from tf_gradsync.bench.__main__ import (  # pylint: disable=import-outside-toplevel
         check_outputs, table)
     try:
@@ -287,9 +315,14 @@ def main(argv: Sequence[str]) -> None:
             throughput = {n: FLAGS.codec_gbps * 1e9 for n in ["none", *names]}
         elif FLAGS.calibrate:
             throughput, calls = calibrate_codecs(list(dict.fromkeys(["none", *names])))
+        try:
+            local_rate = parse_bandwidth(FLAGS.local_bandwidth)
+        except ValueError as e:
+            raise ValueError(f"--local_bandwidth: {e}") from e
+        local_link = Link(FLAGS.local_latency_us * 1e-6, local_rate)
         rows = plan(specs, names, workers, list(dict.fromkeys(FLAGS.bandwidth)), compute_s,
                     FLAGS.latency_us * 1e-6, FLAGS.bucket_bytes, FLAGS.overlap, throughput,
-                    calls)
+                    calls, FLAGS.devices_per_worker, local_link)
     except ValueError as e:
         sys.exit(f"plan: {e}")
     params = sum(math.prod(s) for s, _ in specs)
@@ -298,6 +331,10 @@ def main(argv: Sequence[str]) -> None:
     print(f"{params:,} weights in {len(specs)} tensors; compute {compute_s:.4g} s per step; "
           f"latency {FLAGS.latency_us:g} us; bucket_bytes {FLAGS.bucket_bytes}; overlap "
           f"{FLAGS.overlap:g}; codec throughput: {source}")
+    if FLAGS.devices_per_worker > 1:
+        print(f"{FLAGS.devices_per_worker} devices per worker, {FLAGS.local_bandwidth} and "
+              f"{FLAGS.local_latency_us:g} us between them; bytes_per_worker: a worker's "
+              "devices together")
     print(table(rows, COLUMNS))
     if FLAGS.json:
         with open(FLAGS.json, "w") as f:

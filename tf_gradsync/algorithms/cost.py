@@ -95,7 +95,7 @@ def exchange_seconds(kind: str, workers: int, payload_bytes: float, link: Link =
                      local_link: Link | None = None) -> float:
     """Seconds one worker spends in one exchange of one bucket (alpha-beta model).
 
-    With N workers and a payload of P bytes (per worker):
+    With N workers of one device each and a payload of P bytes (per device):
       ring:       2(N-1) messages, 2(N-1)/N P bytes (reduce-scatter + all-gather);
       tree:       2 ceil(log2 N) messages, 2(N-1)/N P bytes (halving-doubling);
       gather:     N-1 messages, (N-1) P bytes;
@@ -105,33 +105,49 @@ def exchange_seconds(kind: str, workers: int, payload_bytes: float, link: Link =
         (reduce-scatter, then all-gather), and between them each device's ring of its
         P/L shard among N workers, L rings sharing the worker's link: on it, one ring
         of the full payload.
+    With L = `local` devices per worker, the M = N L devices gather as one ring of M
+    members, a worker's devices next to each other (TensorFlow's collectives order
+    members by worker): M-1 messages, and the hop out of the worker carries (M-1) P
+    bytes; two phases run among the M devices, `all_to_all_rounds(M)` rounds, and the
+    worker's link carries what its L devices send to the other workers' devices,
+    L (N-1)/N (P + S) (`bytes_sent`).
 
     Args:
       kind: one of `KINDS`.
-      workers: N, the members of the exchange (for "hierarchical", workers).
+      workers: N, the workers in the exchange.
       payload_bytes: P. For "two_phase", one member's chunk payloads, summed.
-      link: the link between members.
+      link: the link between workers.
       server_bytes: S, two phases only (default: P).
-      local: devices per worker, "hierarchical" only.
+      local: L, devices per worker (1: each worker is one member; "ring" and "tree"
+        take no other).
       local_link: the link between a worker's devices (default: `link`).
 
     Raises:
-      ValueError: for an unknown kind or fewer than one worker.
+      ValueError: for an unknown kind, fewer than one worker or device, or a flat
+        all-reduce ("ring", "tree") among workers of several devices.
     """
     n = workers
     if not (isinstance(n, int) and n >= 1):
         raise ValueError(f"workers must be an integer >= 1, got {workers!r}")
-    if n == 1 and kind != "hierarchical":
-        return 0.0
+    if not (isinstance(local, int) and local >= 1):
+        raise ValueError(f"local must be an integer >= 1 (devices per worker), got {local!r}")
+    if kind in ("ring", "tree") and local > 1:
+        raise ValueError(f"workers of several devices all-reduce in the hierarchical "
+                         f"exchange, not {kind!r}; valid with local={local}: hierarchical, "
+                         "gather, two_phase")
     if kind == "hierarchical":
         inner = exchange_seconds("ring", local, payload_bytes, local_link or link) if local > 1 else 0
         return inner + exchange_seconds("ring", n, payload_bytes, link)
-    messages = {"ring": 2 * (n - 1), "tree": 2 * math.ceil(math.log2(n)), "gather": n - 1,
-                "two_phase": n - 1}
+    m = n * local
+    if m == 1:
+        return 0.0
+    messages = {"ring": 2 * (n - 1), "tree": 2 * math.ceil(math.log2(n)), "gather": m - 1,
+                "two_phase": m - 1}
     if kind not in messages:
         raise ValueError(f"unknown exchange {kind!r}; valid: {', '.join(KINDS)}")
-    rounds = all_to_all_rounds(n) * link.round_seconds if kind == "two_phase" else 0.0
-    return rounds + link.seconds(messages[kind], bytes_sent(kind, n, payload_bytes, server_bytes))
+    rounds = all_to_all_rounds(m) * link.round_seconds if kind == "two_phase" else 0.0
+    return rounds + link.seconds(messages[kind],
+                                 bytes_sent(kind, n, payload_bytes, server_bytes, local))
 
 
 def all_to_all_rounds(members: int) -> int:
@@ -141,16 +157,17 @@ def all_to_all_rounds(members: int) -> int:
 
 
 def bytes_sent(kind: str, workers: int, payload_bytes: float,
-               server_bytes: float | None = None) -> float:
-    """Bytes one member sends in one exchange of one bucket (see `exchange_seconds`)."""
+               server_bytes: float | None = None, local: int = 1) -> float:
+    """Bytes one worker sends to the others in one exchange of one bucket, its `local`
+    devices together (see `exchange_seconds`)."""
     n = workers
     if kind in ALL_REDUCES:
         return 2 * (n - 1) / n * payload_bytes
     if kind == "gather":
-        return (n - 1) * payload_bytes
+        return (n * local - 1) * payload_bytes
     if kind == "two_phase":
         server = payload_bytes if server_bytes is None else server_bytes
-        return (n - 1) / n * (payload_bytes + server)
+        return local * (n - 1) / n * (payload_bytes + server)
     raise ValueError(f"unknown exchange {kind!r}; valid: {', '.join(KINDS)}")
 
 
