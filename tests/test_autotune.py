@@ -2,6 +2,7 @@
 on every worker."""
 
 import dataclasses
+import types
 
 import numpy as np
 import pytest
@@ -44,6 +45,39 @@ def test_the_decision_is_the_fastest_priced_candidate():
     ops = d.ops(timeout_seconds=30)
     assert ops.compressor.name in (d.compressor, "error_feedback")
     assert ops.bucket_bytes == d.bucket_bytes
+
+
+def test_workers_of_several_devices_are_priced_hierarchically():
+    """Between workers of 4 devices, sums go hierarchically on the workers' link (their
+    devices' legs are in the fitted link), gathers among all 8 devices."""
+    link = Link(50e-6, 125e6)
+    d = autotuning.decide(BIG, 2, link, 0.2, ["fp16", "int8"], bucket_sizes=(4 << 20,),
+                          local=4)
+    priced = {r[:2]: r[3] for r in d.candidates}
+    assert set(priced) == {("fp16", "hierarchical"), ("int8", "gather"), ("int8", "two_phase")}
+    for (name, exchange), step_s in priced.items():
+        c = gs.CompressedAllReduce(name).compressor
+        p = costmodel.predict(c, costmodel.model_payloads(c, BIG, 4 << 20, 8), exchange, 2,
+                              link, 0.2, local=4, local_link=Link(0.0, float("inf")))
+        assert step_s == pytest.approx(p.step_s)
+    # The hierarchical sum costs what the all-reduces it was fitted to cost.
+    fp16 = costmodel.model_payloads("fp16", BIG, 4 << 20, 8)
+    wire = sum(exchange_seconds("ring", 2, b.rounds[0][1], link) for b in fp16)
+    assert costmodel.predict("fp16", fp16, "hierarchical", 2, link, 0.2, local=4,
+                             local_link=Link(0.0, float("inf"))).wire_s == pytest.approx(wire)
+    assert d.ops().compressor.name in ("fp16", "int8", "error_feedback")
+
+
+@pytest.mark.parametrize("replicas,workers,members", [
+    (8, 2, (2, 4)),     # GPU workers: the link is between workers, sums hierarchical
+    (2, 2, (2, 1)),     # a device per worker
+    (4, 1, (4, 1)),     # one process's devices
+])
+def test_the_link_is_priced_between_workers_of_several_devices(replicas, workers, members):
+    strategy = types.SimpleNamespace(
+        num_replicas_in_sync=replicas,
+        extended=types.SimpleNamespace(_id_in_cluster=0, _num_workers=workers))
+    assert autotuning._members(strategy) == members
 
 
 def test_a_fast_link_and_a_lossless_class_keep_it_uncompressed_or_16_bit():
@@ -91,6 +125,10 @@ def test_link_fit_prices_all_to_all_rounds_from_the_probe():
         assert exchange_seconds("two_phase", n, 0, fit) == pytest.approx(
             0.021 + (n - 1) * fit.latency_s)
     assert autotuning.fit_link(sizes, seconds, 4).round_s is None
+    # Two workers of four devices: the all-to-all ran among all eight.
+    fit = autotuning.fit_link(sizes, seconds, 2, all_to_all_s=0.021, local=4)
+    assert fit.round_s == pytest.approx(0.021 / 7)
+    assert fit.latency_s == autotuning.fit_link(sizes, seconds, 2).latency_s
 
 
 def test_all_to_all_probe_times_the_pairwise_exchange(devices):
@@ -424,3 +462,4 @@ def test_every_worker_reaches_the_same_decision(tmp_path):
     assert ranks[0]["fingerprints"] == ranks[1]["fingerprints"]
     np.testing.assert_array_equal(np.asarray(ranks[0]["weights"][0]),
                                   np.asarray(ranks[1]["weights"][0]))
+

@@ -43,6 +43,9 @@ BUCKET_SIZES = (4 * 2**20, 32 * 2**20, 128 * 2**20)
 PROBE_BYTES = (2**12, 2**16, 2**20, 2**23)
 #: Turns of each finalist in a run-off (see `autotune`'s `runoff`).
 RUNOFF_ROUNDS = 3
+#: The devices' legs of a hierarchical exchange, as `decide` prices them: free, since
+#: the link between workers is fitted to probes that include them (`fit_link`).
+_WITHIN_LINK = Link(0.0, float("inf"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +54,8 @@ class Decision:
 
     Attributes:
       compressor: the chosen compressor's name.
-      exchange: "ring", "tree", "gather" or "two_phase" (see `costmodel`).
+      exchange: "ring", "tree", "hierarchical", "gather" or "two_phase" (see
+        `costmodel`).
       bucket_bytes: the chosen bucket size.
       predicted_step_s: its predicted step.
       predicted_speedup: uncompressed training's best predicted step over it.
@@ -111,7 +115,8 @@ def decide(specs: Sequence[tuple[Sequence[int], tf.DType]], workers: int, link: 
            compute_s: float, compressors: Sequence[str],
            throughput: dict[str, float] | None = None,
            bucket_sizes: Sequence[int] = BUCKET_SIZES, overlap: float = 0.0,
-           cpu_share: float = 1.0, call_s: dict[str, float] | None = None) -> Decision:
+           cpu_share: float = 1.0, call_s: dict[str, float] | None = None,
+           local: int = 1) -> Decision:
     """The fastest predicted `(compressor, exchange, bucket_bytes)` among `compressors`.
 
     Pure: the same arguments give the same decision on every worker. Ties go to the
@@ -119,24 +124,27 @@ def decide(specs: Sequence[tuple[Sequence[int], tf.DType]], workers: int, link: 
 
     Args:
       specs: `(shape, dtype)` per trainable weight.
-      workers: replicas of the reduction.
-      link: the link between them.
+      workers: replicas of the reduction or, with `local` > 1, workers.
+      link: the link between them (between workers, their devices' legs included:
+        `autotune` fits it to the exchange its devices run, see `fit_link`).
       compute_s: forward + backward seconds per step.
       compressors: candidate names (`none` is priced as the reference in any case).
       throughput: compress + decompress bytes/s per name (default: the cost model's).
       call_s: seconds per data path call by name (`costmodel.measure_codec`; default 0).
       bucket_sizes: candidate `bucket_bytes`.
       overlap, cpu_share: see `costmodel.predict`.
+      local: devices per worker; summed payloads are then priced in the hierarchical
+        exchange, gathered ones among every device.
     """
     priced, reference = [], float("inf")
     for bucket_bytes in bucket_sizes:
         for name in dict.fromkeys(["none", *compressors]):
             c = CompressedAllReduce(name, bucket_bytes=bucket_bytes).compressor
-            payloads = costmodel.model_payloads(c, specs, bucket_bytes, workers)
+            payloads = costmodel.model_payloads(c, specs, bucket_bytes, workers * local)
             rate = (throughput or {}).get(name)
-            for exchange in costmodel.exchanges_for(c):
+            for exchange in costmodel.exchanges_for(c, local):
                 p = costmodel.predict(c, payloads, exchange, workers, link, compute_s, rate,
-                                      overlap, cpu_share,
+                                      overlap, cpu_share, local, _WITHIN_LINK,
                                       call_s=(call_s or {}).get(name, 0.0))
                 if name == "none":
                     reference = min(reference, p.step_s)
@@ -151,7 +159,7 @@ def decide(specs: Sequence[tuple[Sequence[int], tf.DType]], workers: int, link: 
 
 
 def fit_link(sizes: Sequence[float], seconds: Sequence[float], members: int,
-             all_to_all_s: float | None = None) -> Link:
+             all_to_all_s: float | None = None, local: int = 1) -> Link:
     """Latency and bandwidth from timed ring all-reduces of `sizes` bytes, and the cost
     of an all-to-all round from a timed all-to-all of tiny parts (`all_to_all_s`, see
     `probe_all_to_all`; None leaves `Link.round_s` unset).
@@ -167,6 +175,11 @@ def fit_link(sizes: Sequence[float], seconds: Sequence[float], members: int,
     One size gives all of its time to bandwidth; where noise leaves the largest no
     slower than the smallest, the bandwidth is the steepest seen. A latency below a
     microsecond is clamped to one.
+
+    With `local` > 1 devices per worker, `members` workers and the all-reduces
+    hierarchical: their legs among a worker's devices are fitted into the workers'
+    link (and priced nowhere else, `decide`), and the all-to-all ran among all
+    `members * local` devices.
     """
     s, t = np.asarray(sizes, float), np.asarray(seconds, float)
     n = max(members, 2)
@@ -177,7 +190,8 @@ def fit_link(sizes: Sequence[float], seconds: Sequence[float], members: int,
     else:
         per_byte = float(min(t / (moved * s)))
     latency = max((t[small] - moved * s[small] * per_byte) / (2 * (n - 1)), 1e-6)
-    rounds = None if all_to_all_s is None else all_to_all_s / algorithms.cost.all_to_all_rounds(n)
+    rounds = (None if all_to_all_s is None
+              else all_to_all_s / algorithms.cost.all_to_all_rounds(max(members * local, 2)))
     return Link(float(latency), float(1.0 / per_byte), rounds)
 
 
@@ -393,11 +407,11 @@ def autotune(strategy: tf.distribute.Strategy, weights, *, compute: float | Call
     else:
         raise ValueError(f"compute must be seconds per step (finite, >= 0) or a function "
                          f"running one step, got {compute!r}")
-    workers = strategy.num_replicas_in_sync
+    workers, local = _members(strategy)
     # The all-reduces' seconds, then the all-to-all's.
     probe = ([*probe_link(strategy, probe_bytes),
               probe_all_to_all(strategy, timeout=ops_kwargs.get("timeout_seconds") or 0)]
-             if workers > 1 else [])
+             if strategy.num_replicas_in_sync > 1 else [])
     priced = list(dict.fromkeys(["none", *names]))
     codecs = [x for n in priced for x in
               costmodel.measure_codec(CompressedAllReduce(n).compressor, calibrate_numel)]
@@ -405,11 +419,11 @@ def autotune(strategy: tf.distribute.Strategy, weights, *, compute: float | Call
     probe, compute_s = measured[:len(probe)], measured[len(probe)]
     codecs = measured[len(probe) + 1:]
     throughput, calls = dict(zip(priced, codecs[0::2])), dict(zip(priced, codecs[1::2]))
-    link = fit_link(probe_bytes, probe[:-1], workers, probe[-1]) if workers > 1 else Link()
+    link = fit_link(probe_bytes, probe[:-1], workers, probe[-1], local) if probe else Link()
     decision = dataclasses.replace(
         decide(specs, workers, link, compute_s, names, throughput, bucket_sizes, overlap,
-               call_s=calls), guard=guard)
-    if trials > 1 and workers > 1:
+               call_s=calls, local=local), guard=guard)
+    if trials > 1 and probe:
         decision = _try(strategy, specs, decision, trials, trial_steps, current, ops_kwargs,
                         make_step, weights, runoff)
     ops = decision.ops(**ops_kwargs)
@@ -425,7 +439,8 @@ def autotune(strategy: tf.distribute.Strategy, weights, *, compute: float | Call
         f"{decision.bucket_bytes}: predicted {decision.predicted_step_s:.4g} s per step, "
         f"{decision.predicted_speedup:.2f}x uncompressed (link {link.latency_s * 1e6:.3g} us, "
         f"{link.bytes_per_s * 8e-9:.4g} Gbit/s, all-to-all rounds "
-        f"{link.round_seconds * 1e6:.3g} us; compute {compute_s:.4g} s; {workers} replicas)")
+        f"{link.round_seconds * 1e6:.3g} us; compute {compute_s:.4g} s; "
+        f"{strategy.num_replicas_in_sync} replicas)")
     for line in lines:
         logging.info("%s", line)
         if verbose:
@@ -554,6 +569,17 @@ def _try(strategy: tf.distribute.Strategy, specs, decision: Decision, trials: in
                                * decision.predicted_step_s / predicted,
                                trials=tuple(rows), runoff=again,
                                measured_step_s=step_s)
+
+
+def _members(strategy: tf.distribute.Strategy) -> tuple[int, int]:
+    """`(members, devices per member)` the link is priced between: workers of several
+    devices each, which exchange hierarchically; else every replica, one device each
+    (one process's devices, or one device per worker)."""
+    replicas = strategy.num_replicas_in_sync
+    _, workers = _tf_compat.worker_position(strategy)
+    if workers > 1 and replicas > workers:
+        return workers, replicas // workers
+    return replicas, 1
 
 
 def _measured(row) -> tuple:
