@@ -661,7 +661,7 @@ def test_dgc_refuses_an_optimizer_with_momentum():
 
 def test_dgc_adapts_sgd_to_train_without_its_momentum():
     """adapt_optimizer hands DGC the momentum: SGD's goes, at the same rate, and the
-    result passes DGC's check without advice; Adam's first moment is left (refused)."""
+    result passes DGC's check without advice; Adam's first moment cannot go (refused)."""
     ops = gs.CompressedAllReduce("dgc")
     sgd = ops.adapt_optimizer(tf.keras.optimizers.SGD(0.05, momentum=0.9, nesterov=True))
     config = sgd.get_config()
@@ -670,8 +670,12 @@ def test_dgc_adapts_sgd_to_train_without_its_momentum():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         ops.compressor.check_optimizer(sgd)
-    adam = tf.keras.optimizers.Adam(1e-3)
-    assert ops.adapt_optimizer(adam) is adam
+    # Adam's first moment cannot go: adapting refuses it at once, as the first step would.
+    with pytest.raises(ValueError, match="applies beta_1=0.9 again.*adapt_optimizer cannot "
+                                         "take beta_1 off for dgc"):
+        ops.adapt_optimizer(tf.keras.optimizers.Adam(1e-3))
+    with pytest.raises(ValueError, match="adapt_optimizer.optimizer. rebuilds it so"):
+        ops.compressor.check_optimizer(tf.keras.optimizers.SGD(0.05, momentum=0.9))
 
 
 @pytest.mark.parametrize("optimizer,adaptive", [

@@ -219,14 +219,17 @@ def train_cell(model: str, recipe: str, mode: str, devices: Sequence[str], data,
         adapt_fn = ops.adapt_optimizer if ops is not None and adapt else (lambda o: o)
         strategy = tf.distribute.MirroredStrategy(list(devices), cross_device_ops=ops)
         x_train, x_test, y_train, y_test = data
-        with strategy.scope():
-            net = digits.build_model(
-                tf.keras, seed,
-                lambda k, m=momentum: adapt_fn(digits.make_optimizer(k, name, lr, m)), model)
-        changed = _changes(net.optimizer, digits.make_optimizer(tf.keras, name, lr, momentum))
-        mirror = digits.build_model(tf.keras, seed, None, model)
-        clock = _Clock(ops, mirror, x_test, y_test, validate_every_epoch, track_error)
         try:
+            # Adapting refuses what the compressor cannot train with, as fit would.
+            with strategy.scope():
+                net = digits.build_model(
+                    tf.keras, seed,
+                    lambda k, m=momentum: adapt_fn(digits.make_optimizer(k, name, lr, m)),
+                    model)
+            changed = _changes(net.optimizer,
+                               digits.make_optimizer(tf.keras, name, lr, momentum))
+            mirror = digits.build_model(tf.keras, seed, None, model)
+            clock = _Clock(ops, mirror, x_test, y_test, validate_every_epoch, track_error)
             with warnings.catch_warnings():
                 net.fit(digits.batches(x_train, y_train, BATCH_SIZE), epochs=epochs,
                         steps_per_epoch=digits.steps_per_epoch(len(x_train), BATCH_SIZE),

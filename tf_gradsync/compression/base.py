@@ -572,7 +572,8 @@ class Compressor(abc.ABC):
 
         Raises:
           ValueError: for a learning rate that is not a number (a schedule: scale its
-            rates yourself).
+            rates yourself), or an optimizer this compressor cannot train with even
+            adapted (`check_optimizer`: dgc under Adam).
 
         Example:
           >>> ops = tf_gradsync.CompressedAllReduce("topk")
@@ -595,6 +596,9 @@ class Compressor(abc.ABC):
             return wrapped
         factor, changes = self._optimizer_changes(optimizer)
         if factor == 1 and not changes:
+            # What the first step would refuse (dgc under Adam) is refused here, before
+            # a model is built around it.
+            self.check_optimizer(optimizer)
             return optimizer
         config = optimizer_config(optimizer)
         lr = config.get("learning_rate")
@@ -606,6 +610,7 @@ class Compressor(abc.ABC):
         config.update(changes, learning_rate=float(lr) * factor)
         adapted = type(optimizer).from_config(config)
         setattr(adapted, _ADAPTED, True)
+        self.check_optimizer(adapted)
         return adapted
 
     def required_optimizer_changes(self, optimizer: Any) -> dict:

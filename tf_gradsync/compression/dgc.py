@@ -118,12 +118,15 @@ class DGC(_sparse.SparseDecoding, Compressor):
         `momentum`, Adam's `beta_1`)."""
         name, momentum = optimizer_momentum(optimizer)
         if self.momentum > 0 and momentum:
+            # SGD's heavy ball is what DGC's momentum correction replaces; Adam's first
+            # moment is not, and Adam without it lost points (`_optimizer_changes`).
+            fix = ("CompressedAllReduce.adapt_optimizer(optimizer) rebuilds it so"
+                   if name == "momentum" else f"adapt_optimizer cannot take {name} off for dgc")
             raise ValueError(
                 f"dgc applies momentum {self.momentum} itself (momentum correction), and the "
                 f"optimizer {type(applying_optimizer(optimizer)).__name__} applies "
                 f"{name}={momentum} again: the two compound and training diverges or "
-                "stalls. Use SGD without momentum (SGD(momentum=0.0); "
-                "CompressedAllReduce.adapt_optimizer(optimizer) rebuilds an SGD so), or dgc "
+                f"stalls. Use SGD without momentum (SGD(momentum=0.0); {fix}), or dgc "
                 "with momentum=0.0 (sparsification with accumulation, no momentum "
                 "correction)")
         super().check_optimizer(optimizer)
