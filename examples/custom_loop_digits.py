@@ -26,7 +26,8 @@ FLAGS = flags.FLAGS
 
 def define_flags():
     # Defined only when run as a program: tests import this module.
-    flags.DEFINE_string("compression", "topk", "Registered compressor name.")
+    flags.DEFINE_string("compression", "topk", "A compressor: a registered name, with its "
+                        "settings as name:key=value[:key=value...] (topk:ratio=0.05).")
     flags.DEFINE_enum("model", "cnn", list(train_digits.MODELS), "Architecture.")
     flags.DEFINE_integer("epochs", 10, "Training epochs.", lower_bound=1)
     flags.DEFINE_integer("devices", 4, "Logical CPU devices (replicas).", lower_bound=1)
@@ -53,8 +54,11 @@ def train(strategy, ops, model_name: str, epochs: int, batch_size: int, jsonl=No
 
     x_train, x_test, y_train, y_test = train_digits.load_data(seed)
     with strategy.scope():
+        # SGD with momentum 0.9 as the compressor adapts it (top-k: without momentum, at
+        # ten times the rate).
         model = train_digits.build_model(
-            tf.keras, seed, lambda k: train_digits.make_optimizer(k, "sgd", 0.05, 0.9),
+            tf.keras, seed,
+            lambda k: ops.adapt_optimizer(train_digits.make_optimizer(k, "sgd", 0.05, 0.9)),
             model_name)
         optimizer = model.optimizer
         loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(
@@ -98,7 +102,7 @@ def main(argv):
     import tf_gradsync as gs
     tf.get_logger().setLevel("ERROR")
     devices = gs.logical_cpus(FLAGS.devices)
-    ops = gs.CompressedAllReduce(FLAGS.compression)
+    ops = train_digits.compressed_ops(FLAGS.compression)
     strategy = tf.distribute.MirroredStrategy(devices, cross_device_ops=ops)
     accuracy, epochs = train(strategy, ops, FLAGS.model, FLAGS.epochs, FLAGS.batch_size,
                              FLAGS.jsonl)

@@ -21,7 +21,8 @@ import train_digits  # noqa: E402
 FLAGS = flags.FLAGS
 
 
-flags.DEFINE_string("compression", "fp16", "Registered compressor name.")
+flags.DEFINE_string("compression", "fp16", "A compressor: a registered name, with its "
+                    "settings as name:key=value[:key=value...] (topk:ratio=0.05).")
 flags.DEFINE_string("jsonl", None, "JSON-lines file to write (default: <compression>.jsonl).")
 flags.DEFINE_integer("epochs", 30, "Training epochs.", lower_bound=1)
 flags.DEFINE_integer("devices", 4, "Logical CPU devices (replicas).", lower_bound=1)
@@ -38,11 +39,16 @@ def main(argv):
     from tf_gradsync.callbacks import CommunicationMonitor
     tf.get_logger().setLevel("ERROR")
     devices = gs.logical_cpus(FLAGS.devices)
-    ops = gs.CompressedAllReduce(FLAGS.compression)
+    ops = train_digits.compressed_ops(FLAGS.compression)
     strategy = tf.distribute.MirroredStrategy(devices, cross_device_ops=ops)
     x_train, x_test, y_train, y_test = train_digits.load_data(FLAGS.seed)
+
+    def optimizer(keras):    # Adam(1e-3) as the compressor adapts it
+        return ops.adapt_optimizer(train_digits.make_optimizer(keras))
+    train_digits.check_optimizer(ops, optimizer, "this example trains with Adam; "
+                                 "train_digits.py takes --optimizer=sgd --momentum=0")
     with strategy.scope():
-        model = train_digits.build_model(tf.keras, FLAGS.seed)
+        model = train_digits.build_model(tf.keras, FLAGS.seed, optimizer)
     jsonl = FLAGS.jsonl or f"{FLAGS.compression}.jsonl"
     monitor = CommunicationMonitor(ops, jsonl_path=jsonl, batch_size=FLAGS.batch_size)
     history = model.fit(x_train, y_train, epochs=FLAGS.epochs, batch_size=FLAGS.batch_size,

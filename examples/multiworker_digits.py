@@ -56,6 +56,18 @@ flags.DEFINE_integer("port_base", 8888, "--cluster=slurm: the first port of the 
 FLAGS = flags.FLAGS
 
 
+def _json_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except ValueError:
+        return False
+
+
+flags.register_validator("compression_options", _json_object,
+                         "--compression_options must be a JSON object of the compressor's "
+                         "keyword arguments, keys in double quotes: '{\"ratio\": 0.1}'")
+
+
 def _backup_freq(value: str):
     """'epoch' or a positive step count, as BackupAndRestore's `save_freq` wants it."""
     if value == "epoch":
@@ -81,9 +93,13 @@ def main(argv):
 
     ops = None
     if FLAGS.compression != "stock":
-        ops = gs.CompressedAllReduce(
-            gs.compression.get(FLAGS.compression, **json.loads(FLAGS.compression_options)),
-            timeout_seconds=FLAGS.timeout, exchange=FLAGS.exchange)
+        try:
+            ops = gs.CompressedAllReduce(
+                gs.compression.get(FLAGS.compression, **json.loads(FLAGS.compression_options)),
+                timeout_seconds=FLAGS.timeout, exchange=FLAGS.exchange)
+        except ValueError as e:
+            raise app.UsageError(f"--compression={FLAGS.compression} "
+                                 f"--compression_options={FLAGS.compression_options}: {e}") from e
     options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=FLAGS.timeout)
     resolver = None
     if FLAGS.cluster == "slurm":
@@ -100,8 +116,11 @@ def main(argv):
     rank = strategy.worker_index     # a chief, if the cluster has one, is 0
     keras = tf.keras
     x_train, x_test, y_train, y_test = train_digits.load_data(0)
+    def optimizer(k):    # Adam(1e-3) as the compressor adapts it
+        opt = train_digits.make_optimizer(k)
+        return opt if ops is None else ops.adapt_optimizer(opt)
     with strategy.scope():
-        model = train_digits.build_model(keras, 0)
+        model = train_digits.build_model(keras, 0, optimizer)
     if ops is not None:
         gs.track_state(model, ops)   # backups carry the compression state too
 

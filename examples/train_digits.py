@@ -11,6 +11,7 @@ uncompressed all-reduce would have sent.
     python examples/train_digits.py --config=configs/fp16.yaml
     python examples/train_digits.py --model=cnn --compression=sign --optimizer=sgd
     python examples/train_digits.py --compression=dgc --optimizer=sgd --momentum=0
+    python examples/train_digits.py --compression=topk:ratio=0.05
     python examples/train_digits.py --tensorboard_dir=/tmp/tb    # then: tensorboard --logdir /tmp/tb
 """
 
@@ -28,7 +29,8 @@ FLAGS = flags.FLAGS
 
 def define_flags():
     # Defined only when run as a program: other examples import this module.
-    flags.DEFINE_string("compression", "fp16", "Registered compressor name.")
+    flags.DEFINE_string("compression", "fp16", "A compressor: a registered name, with its "
+                        "settings as name:key=value[:key=value...] (topk:ratio=0.05).")
     flags.DEFINE_string("config", None, "YAML preset (overrides --compression).")
     flags.DEFINE_enum("model", "mlp", list(MODELS), "Architecture.")
     flags.DEFINE_integer("devices", 4, "Logical CPU devices (replicas).", lower_bound=1)
@@ -63,6 +65,38 @@ def check_batch_flags() -> None:
         ["batch_size", "devices"], ok,
         f"--batch_size must be a multiple of --devices (the replicas share it equally) and "
         f"at most {TRAIN_SIZE}, the training images")
+
+
+def compressed_ops(spec: str | None = None, config: str | None = None, **ops_kwargs):
+    """The `CompressedAllReduce` of a `--config` preset, or else of a `--compression` spec
+    (`tf_gradsync.bench.ops_from_spec`: a name, settings as name:key=value); a bad one
+    stops the example with a usage error naming the flag (`ops_kwargs`: further
+    arguments of the ops)."""
+    import tf_gradsync as gs
+    from tf_gradsync.bench import ops_from_spec
+    try:
+        return gs.load_config(config) if config else ops_from_spec(spec, **ops_kwargs)
+    except ValueError as e:
+        flag = f"--config={config}" if config else f"--compression={spec}"
+        raise app.UsageError(f"{flag}: {e}") from e
+
+
+#: How train_digits' flags set the optimizer, for `check_optimizer`.
+OPTIMIZER_FLAGS = ("here --optimizer, --momentum and --learning_rate set the optimizer "
+                   "(--optimizer=sgd --momentum=0: SGD without momentum)")
+
+
+def check_optimizer(ops, make, hint: str = OPTIMIZER_FLAGS) -> None:
+    """Stops before training, with a usage error that ends with `hint`, when the
+    compressor cannot train with the optimizer `make(keras)` builds (dgc under Adam)."""
+    import warnings
+    import tensorflow as tf
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")     # advice is given again when training
+            ops.compressor.check_optimizer(make(tf.keras))
+    except ValueError as e:
+        raise app.UsageError(f"{e}; {hint}") from e
 
 
 def load_data(seed: int = 0):
@@ -230,8 +264,7 @@ def main(argv):
         import tf_gradsync as gs
         tf.get_logger().setLevel("ERROR")
         devices = gs.logical_cpus(FLAGS.devices)
-        ops = (gs.load_config(FLAGS.config) if FLAGS.config
-               else gs.CompressedAllReduce(FLAGS.compression))
+        ops = compressed_ops(FLAGS.compression, FLAGS.config)
         strategy = tf.distribute.MirroredStrategy(devices, cross_device_ops=ops)
         tf.constant(0.0)    # devices found
     monitor = gs.callbacks.CommunicationMonitor(
@@ -245,6 +278,7 @@ def main(argv):
             # train at a larger rate and without a first moment.
             opt = ops.adapt_optimizer(opt)
         return opt
+    check_optimizer(ops, optimizer)
     print(f"{FLAGS.model} on {strategy.num_replicas_in_sync} replicas, {ops.compressor!r}")
     start = time.perf_counter()
     _, acc = train(strategy, tf.keras, FLAGS.epochs, FLAGS.batch_size, FLAGS.seed,

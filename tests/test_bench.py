@@ -140,10 +140,34 @@ def test_examples_refuse_bad_flags_before_training():
             ("custom_loop_digits.py", ["--batch_size=2000"], "at most 1437, the training images"),
             ("monitor_digits.py", ["--devices=3"], "--batch_size must be a multiple of "),
             ("monitor_digits.py", ["--epochs=0"], "flag --epochs=0: 0 is not a positive"),
-            ("synthetic_benchmark.py", ["--steps=0"], "flag --steps=0: 0 is not a positive")]:
+            ("synthetic_benchmark.py", ["--steps=0"], "flag --steps=0: 0 is not a positive"),
+            # Compressors named, set and checked against the optimizer before training.
+            ("train_digits.py", ["--compression=topkk"],
+             "--compression=topkk: unknown compressor 'topkk'; valid names: adaptive"),
+            ("train_digits.py", ["--compression=topk:rato=1"],
+             "compressor 'topk' got unknown arguments ['rato']; valid arguments: ['ratio']"),
+            ("train_digits.py", ["--config=configs/dgc.yaml"],
+             "the optimizer Adam applies beta_1=0.9 again"),
+            ("monitor_digits.py", ["--compression=dgc"], "this example trains with Adam"),
+            ("custom_loop_digits.py", ["--compression=zz"], "--compression=zz: unknown"),
+            ("multiworker_digits.py", ["--compression_options={ratio:0.1}"],
+             "--compression_options must be a JSON object"),
+            ("multiworker_digits.py", ["--compression=topk", '--compression_options={"r": 1}'],
+             "compressor 'topk' got unknown arguments ['r']")]:
         out = subprocess.run([sys.executable, os.path.join(root, "examples", script), *args],
-                             env=env, capture_output=True, text=True, timeout=120)
+                             env=env, capture_output=True, text=True, timeout=120, cwd=root)
         assert out.returncode == 1 and message in out.stderr, (script, out.stderr[-2000:])
+
+
+def test_examples_take_a_compressor_with_its_settings():
+    import train_digits  # examples/train_digits.py
+    import tf_gradsync as gs
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    ops = train_digits.compressed_ops("topk:ratio=0.05:bucket_bytes=65536")
+    assert ops.bucket_bytes == 65536 and "TopK(ratio=0.05)" in repr(ops.compressor)
+    preset = os.path.join(root, "configs", "fp16.yaml")
+    assert repr(train_digits.compressed_ops(config=preset).compressor) == repr(
+        gs.load_config(preset).compressor)
 
 
 def test_table_format():
