@@ -144,8 +144,11 @@ class Pipeline:
                 sent.append(wire.total())
                 dense.append(plain.total())
 
+        # A step synchronises gradients: embedding gradients (IndexedSlices) alone are
+        # one too (a model of embeddings only), a scalar reduced by hand is not.
         self.stats.record(_add(sent) // n, _add(dense) // n,
-                          count_step=bool(groups["compressed"]), errors=errors)
+                          count_step=bool(groups["compressed"] or compress and groups["sparse"]),
+                          errors=errors)
         return results  # type: ignore[return-value]
 
     # ----------------------------------------------------------------- stages
