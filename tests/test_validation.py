@@ -203,12 +203,14 @@ def test_bad_yaml_names_the_file(tmp_path):
     ("compression: fp16\ncompression: topk\n",
      "preset.yaml: key 'compression' is given twice (line 1)"),
     ("", "preset.yaml: the preset is empty; give at least `compression: NAME`"),
+    ("bucket_bytes: 1024\n", "preset.yaml: the preset names no compressor; give "
+                             "`compression: NAME` (valid names: adaptive, bf16,"),
     ("compression: none\nerror_feedback: true\n",
      "preset.yaml: NoCompression() sends every value exactly"),
 ])
 def test_a_preset_file_names_itself_and_the_key(tmp_path, text, message):
     """Every error of a preset file starts with its path; nothing is silently dropped (a
-    key given twice) or assumed (an empty file)."""
+    key given twice) or assumed (an empty file, a file without a compressor)."""
     path = tmp_path / "preset.yaml"
     path.write_text(text)
     with pytest.raises(ValueError) as e:

@@ -132,7 +132,7 @@ def parse_config(source: str | os.PathLike | Mapping[str, Any]) -> SyncConfig:
     Raises:
       ValueError: for a source that is neither a path nor a mapping, YAML that does not
         parse (or asks for Python objects: files are read with `yaml.safe_load`), an
-        empty file, a key given twice, unknown keys (listing the valid ones) or bad
+        empty file or one without `compression`, a key given twice, unknown keys (listing the valid ones) or bad
         values; a file's errors start with its path.
       FileNotFoundError: for a missing file.
     """
@@ -149,6 +149,10 @@ def parse_config(source: str | os.PathLike | Mapping[str, Any]) -> SyncConfig:
             raise ValueError("the preset is empty; give at least `compression: NAME`")
         if not isinstance(data, dict):
             raise ValueError(f"a preset must be a YAML mapping, got {type(data).__name__}")
+        if "compression" not in data:
+            # A file is a preset of one compressor: none is not assumed.
+            raise ValueError(f"the preset names no compressor; give `compression: NAME` "
+                             f"(valid names: {', '.join(compression.names())})")
         return _validated(data)
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from None
