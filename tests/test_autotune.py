@@ -223,6 +223,30 @@ def test_autotune_measures_installs_and_trains(devices):
     assert ops.stats()["steps"] >= 1
 
 
+def test_trials_pass_over_a_compressor_the_steps_optimizer_refuses(devices):
+    """dgc refuses Adam (its momentum and Adam's first moment compound): its trials
+    measure infinity, its other exchange is not timed, and its trial goes to the next
+    compressor; a choice among refused compressors only is an error naming them."""
+    strategy = _strategy(devices)
+    model = _model(strategy)
+    x = tf.random.stateless_normal([8, 32], (1, 2))
+
+    def make_step(ops):
+        with strategy.scope():
+            return _sgd_step(strategy, model, x,
+                             ops.adapt_optimizer(tf.keras.optimizers.Adam(1e-3)))
+    kwargs = dict(compute=0.001, calibrate_numel=20_000, make_step=make_step, verbose=False,
+                  install=False, runoff=0)
+    d = gs.autotune(strategy, model, compressors=["dgc", "fp16", "topk"], trials=3,
+                    **kwargs).decision
+    timed = {t[:2]: t[4] for t in d.trials}
+    assert timed["dgc", "gather"] == timed["dgc", "two_phase"] == np.inf
+    assert {name for (name, _), s in timed.items() if np.isfinite(s)} == {"fp16", "topk"}
+    assert d.compressor != "dgc" and np.isfinite(d.measured_step_s)
+    with pytest.raises(ValueError, match=r"cannot train with any compressor tried \(dgc\)"):
+        gs.autotune(strategy, model, compressors=["dgc"], trials=2, **kwargs)
+
+
 def test_autotune_times_the_jobs_own_step(devices):
     """With `make_step`, each trial builds the job's training step under its own ops
     (with the optimizer those ops adapt) and times it whole: forward, backward, the

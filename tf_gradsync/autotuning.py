@@ -64,7 +64,8 @@ class Decision:
       candidates: every priced `(compressor, exchange, bucket_bytes, step_s)`.
       trials: the candidates timed on the job, `(compressor, exchange, bucket_bytes,
         predicted step_s, measured step_s)`, in the order timed (empty when none were
-        timed: one replica, or `trials=0`).
+        timed: one replica, or `trials=0`); a candidate the step's optimizer cannot
+        train with (`compression.OptimizerRefused`) measures infinity.
       runoff: the two fastest trials when they were timed again in turns, with the
         run-off's step in place of the trial's (empty when there was none).
       measured_step_s: the chosen candidate's measured step (compute plus the timed
@@ -429,7 +430,9 @@ def autotune(strategy: tf.distribute.Strategy, weights, *, compute: float | Call
     ops = decision.ops(**ops_kwargs)
     ops.decision = decision
     lines = [f"tf_gradsync.autotune trial: {name}, exchange {exchange}, bucket_bytes "
-             f"{bucket_bytes}: predicted {predicted:.4g} s, measured {measured:.4g} s per step"
+             f"{bucket_bytes}: predicted {predicted:.4g} s, " + (
+                 f"measured {measured:.4g} s per step" if math.isfinite(measured)
+                 else "refused by the step's optimizer")
              for name, exchange, bucket_bytes, predicted, measured in decision.trials]
     lines += [f"tf_gradsync.autotune run-off: {name}, exchange {exchange}, bucket_bytes "
               f"{bucket_bytes}: measured {measured:.4g} s per step"
@@ -523,14 +526,20 @@ def _try(strategy: tf.distribute.Strategy, specs, decision: Decision, trials: in
             ops = dataclasses.replace(decision, compressor=name, exchange=exchange,
                                       bucket_bytes=bucket_bytes).ops(**ops_kwargs)
             _install(strategy, ops)
-            built = step(ops)
-            # A function traced before would go on using the ops it was traced with,
-            # and every trial would time the same candidate.
-            if any(built is b for _, b in built_of.values()):
-                raise ValueError(f"make_step returned the same step function twice "
-                                 f"({built!r}); it must build a new one on each call")
-            built_of[row[:3]] = ops, built
-            return [_time_step(ops, built, steps)]
+            try:
+                built = step(ops)
+                # A function traced before would go on using the ops it was traced
+                # with, and every trial would time the same candidate.
+                if any(built is b for _, b in built_of.values()):
+                    raise ValueError(f"make_step returned the same step function twice "
+                                     f"({built!r}); it must build a new one on each call")
+                built_of[row[:3]] = ops, built
+                return [_time_step(ops, built, steps)]
+            except compression.OptimizerRefused:
+                # The job's optimizer cannot train with this candidate (dgc under Adam):
+                # it is out, on every worker alike (the refusal reads the optimizer
+                # alone, before any collective of the step).
+                return [math.inf]
         timed = (*row, *restored(measure))
         # Every worker keeps the same two: the times are the workers' mean.
         finalists = {r[:3] for r in sorted([*rows, timed], key=_measured)[:2]}
@@ -538,9 +547,24 @@ def _try(strategy: tf.distribute.Strategy, specs, decision: Decision, trials: in
             del built_of[key]
         return timed
 
-    rows = []
-    for row in tried:
+    rows, refused = [], set()
+    spare = [r for r in ranked if r not in tried]
+    queue = list(tried)
+    while queue:
+        row = queue.pop(0)
+        if row[0] in refused:      # refused once: by the optimizer, whatever the exchange
+            rows.append((*row, math.inf))
+            continue
         rows.append(trial(row))
+        if math.isinf(rows[-1][4]):
+            refused.add(row[0])
+            # Its trial goes to the next candidate of another compressor.
+            queue += [r for r in spare if r[0] not in refused][:1]
+            spare = [r for r in spare if r not in queue]
+    if all(math.isinf(r[4]) for r in rows):
+        raise ValueError(f"the step's optimizer cannot train with any compressor tried "
+                         f"({', '.join(sorted(refused))}); name others in compressors= or "
+                         "build the step with an optimizer they take")
     name, exchange, bucket_bytes = min(rows, key=_measured)[:3]
     plans = {_cuts(specs, bucket_bytes)}
     for row in priced:

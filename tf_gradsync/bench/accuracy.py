@@ -235,11 +235,11 @@ def train_cell(model: str, recipe: str, mode: str, devices: Sequence[str], data,
                         steps_per_epoch=digits.steps_per_epoch(len(x_train), BATCH_SIZE),
                         shuffle=False, callbacks=[clock], verbose=0)
             break
-        except ValueError as e:
+        except gs.compression.OptimizerRefused as e:
             # A compressor that applies momentum itself refuses an optimizer with its
             # own: SGD's momentum moves into the compressor; other optimizers (Adam's
             # first moment) cannot give theirs up, and the cell says so.
-            if "momentum" not in str(e) or attempt:
+            if attempt:
                 raise
             if name != "sgd" or not momentum:
                 return _refused(model, recipe, mode, str(e))

@@ -254,6 +254,12 @@ class OptimizerAdvice(UserWarning):
     `adapt_optimizer` rebuilds it."""
 
 
+class OptimizerRefused(ValueError):
+    """`check_optimizer`'s refusal: the compressor cannot train with the optimizer (dgc
+    under Adam), whatever else the job is. Callers that try compressors (autotune's
+    trials, the accuracy bench) pass over the refusing one."""
+
+
 class Compressor(abc.ABC):
     """Base class of all compressors.
 
@@ -640,7 +646,7 @@ class Compressor(abc.ABC):
         so here. Nothing by default."""
 
     def check_optimizer(self, optimizer: Any) -> None:
-        """Raises ValueError when this compressor cannot train with `optimizer`.
+        """Raises `OptimizerRefused` when this compressor cannot train with `optimizer`.
 
         Called once per traced synchronisation with the Keras optimizer applying the
         gradients (when one can be found), before anything is compressed; a

@@ -14,8 +14,8 @@ from typing import Any
 import tensorflow as tf
 
 from tf_gradsync.compression import _segments, _selection, _sparse, _util
-from tf_gradsync.compression.base import (Compressor, Context, Layout, StateSpec,
-                                          applying_optimizer, optimizer_config,
+from tf_gradsync.compression.base import (Compressor, Context, Layout, OptimizerRefused,
+                                          StateSpec, applying_optimizer, optimizer_config,
                                           optimizer_momentum, register, sum_of_squares, when)
 
 
@@ -122,7 +122,7 @@ class DGC(_sparse.SparseDecoding, Compressor):
             # moment is not, and Adam without it lost points (`_optimizer_changes`).
             fix = ("CompressedAllReduce.adapt_optimizer(optimizer) rebuilds it so"
                    if name == "momentum" else f"adapt_optimizer cannot take {name} off for dgc")
-            raise ValueError(
+            raise OptimizerRefused(
                 f"dgc applies momentum {self.momentum} itself (momentum correction), and the "
                 f"optimizer {type(applying_optimizer(optimizer)).__name__} applies "
                 f"{name}={momentum} again: the two compound and training diverges or "
