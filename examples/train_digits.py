@@ -91,11 +91,12 @@ def check_optimizer(ops, make, hint: str = OPTIMIZER_FLAGS) -> None:
     compressor cannot train with the optimizer `make(keras)` builds (dgc under Adam)."""
     import warnings
     import tensorflow as tf
+    from tf_gradsync.compression import OptimizerRefused
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")     # advice is given again when training
             ops.compressor.check_optimizer(make(tf.keras))
-    except ValueError as e:
+    except OptimizerRefused as e:
         raise app.UsageError(f"{e}; {hint}") from e
 
 
