@@ -239,9 +239,11 @@ def test_trials_pass_over_a_compressor_the_steps_optimizer_refuses(devices):
                   install=False, runoff=0)
     d = gs.autotune(strategy, model, compressors=["dgc", "fp16", "topk"], trials=3,
                     **kwargs).decision
-    timed = {t[:2]: t[4] for t in d.trials}
-    assert timed["dgc", "gather"] == timed["dgc", "two_phase"] == np.inf
-    assert {name for (name, _), s in timed.items() if np.isfinite(s)} == {"fp16", "topk"}
+    # Only dgc's trials are refused; whichever of its exchanges ranked among the first
+    # three, the trials went on to time three candidates it can train with.
+    assert all((t[4] == np.inf) == (t[0] == "dgc") for t in d.trials)
+    timed = {(t[0], autotuning._kind(t[1])) for t in d.trials if np.isfinite(t[4])}
+    assert timed == {("fp16", "all-reduce"), ("topk", "gather"), ("topk", "two_phase")}
     assert d.compressor != "dgc" and np.isfinite(d.measured_step_s)
     with pytest.raises(ValueError, match=r"cannot train with any compressor tried \(dgc\)"):
         gs.autotune(strategy, model, compressors=["dgc"], trials=2, **kwargs)

@@ -73,9 +73,16 @@ def test_workers_of_several_devices_are_priced_as_their_exchanges_run(n, local):
         (m - 1) * (a + p / b))
     assert bytes_sent("gather", n, p, local=local) == (m - 1) * p
     # Two phases among the M devices: the worker's link carries what its devices send
-    # to the other workers' devices.
+    # to the other workers' devices, then the ring gather of the re-compressed chunks.
+    moved = local * (n - 1) / n * p + (m - 1) / m * 2 * p
     assert exchange_seconds("two_phase", n, p, link, server_bytes=2 * p, local=local) == (
-        pytest.approx((all_to_all_rounds(m) + m - 1) * a + local * (n - 1) / n * 3 * p / b))
+        pytest.approx((all_to_all_rounds(m) + m - 1) * a + moved / b))
+    # One worker's devices exchange as members on the link between them; nothing
+    # leaves the worker.
+    for kind in ("ring", "tree", "gather", "two_phase"):
+        assert exchange_seconds(kind, 1, p, link, local=local, local_link=fast) == (
+            pytest.approx(exchange_seconds(kind, local, p, fast)))
+        assert bytes_sent(kind, 1, p, local=local) == 0
     # Hierarchical sums share one ring's bytes among the worker's devices.
     assert bytes_sent("hierarchical", n, p, local=local) == pytest.approx(2 * (n - 1) / n * p)
     inner, outer = exchange_seconds("ring", local, p, fast), exchange_seconds("ring", n, p, link)

@@ -125,7 +125,8 @@ def decide(specs: Sequence[tuple[Sequence[int], tf.DType]], workers: int, link: 
 
     Args:
       specs: `(shape, dtype)` per trainable weight.
-      workers: replicas of the reduction or, with `local` > 1, workers.
+      workers: replicas of the reduction; with `local` > 1, the workers (of `local`
+        replicas each).
       link: the link between them (between workers, their devices' legs included:
         `autotune` fits it to the exchange its devices run, see `fit_link`).
       compute_s: forward + backward seconds per step.
@@ -178,9 +179,9 @@ def fit_link(sizes: Sequence[float], seconds: Sequence[float], members: int,
     microsecond is clamped to one.
 
     With `local` > 1 devices per worker, `members` workers and the all-reduces
-    hierarchical: their legs among a worker's devices are fitted into the workers'
-    link (and priced nowhere else, `decide`), and the all-to-all ran among all
-    `members * local` devices.
+    hierarchical (`CompressedAllReduce`'s): their legs among a worker's devices are
+    fitted into the workers' link (and priced nowhere else, `decide`), and the
+    all-to-all ran among all `members * local` devices.
     """
     s, t = np.asarray(sizes, float), np.asarray(seconds, float)
     n = max(members, 2)
@@ -420,7 +421,11 @@ def autotune(strategy: tf.distribute.Strategy, weights, *, compute: float | Call
     probe, compute_s = measured[:len(probe)], measured[len(probe)]
     codecs = measured[len(probe) + 1:]
     throughput, calls = dict(zip(priced, codecs[0::2])), dict(zip(priced, codecs[1::2]))
-    link = fit_link(probe_bytes, probe[:-1], workers, probe[-1], local) if probe else Link()
+    # The probes ran hierarchically through CompressedAllReduce("none"); TensorFlow's own
+    # collectives all-reduce among every device at once.
+    flat = local > 1 and not isinstance(current, CompressedAllReduce)
+    link = (fit_link(probe_bytes, probe[:-1], workers * local if flat else workers, probe[-1],
+                     1 if flat else local) if probe else Link())
     decision = dataclasses.replace(
         decide(specs, workers, link, compute_s, names, throughput, bucket_sizes, overlap,
                call_s=calls, local=local), guard=guard)
@@ -552,10 +557,8 @@ def _try(strategy: tf.distribute.Strategy, specs, decision: Decision, trials: in
     queue = list(tried)
     while queue:
         row = queue.pop(0)
-        if row[0] in refused:      # refused once: by the optimizer, whatever the exchange
-            rows.append((*row, math.inf))
-            continue
-        rows.append(trial(row))
+        # Refused once, by the optimizer, is refused whatever the exchange.
+        rows.append((*row, math.inf) if row[0] in refused else trial(row))
         if math.isinf(rows[-1][4]):
             refused.add(row[0])
             # Its trial goes to the next candidate of another compressor.

@@ -132,8 +132,8 @@ def parse_config(source: str | os.PathLike | Mapping[str, Any]) -> SyncConfig:
     Raises:
       ValueError: for a source that is neither a path nor a mapping, YAML that does not
         parse (or asks for Python objects: files are read with `yaml.safe_load`), an
-        empty file or one without `compression`, a key given twice, unknown keys (listing the valid ones) or bad
-        values; a file's errors start with its path.
+        empty file or one without `compression`, a key given twice, unknown keys
+        (listing the valid ones) or bad values; a file's errors start with its path.
       FileNotFoundError: for a missing file.
     """
     if isinstance(source, Mapping):

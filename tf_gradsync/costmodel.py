@@ -193,7 +193,7 @@ def predict(compressor: Compressor | str, payloads: Sequence[BucketPayload], exc
         round trip each where the compressor's decodings compile, else `DECODE_SHARE`.
       call_s: seconds of one call of the data path on one core whatever its length
         (`measure_codec`): a bucket is one call, except in two phases, where each of
-        the N chunks is encoded by a call of its own.
+        the N L chunks is encoded by a call of its own.
 
     Raises:
       ValueError: for an exchange the compressor's payloads cannot travel in, or an

@@ -108,9 +108,11 @@ def exchange_seconds(kind: str, workers: int, payload_bytes: float, link: Link =
     With L = `local` devices per worker, the M = N L devices gather as one ring of M
     members, a worker's devices next to each other (TensorFlow's collectives order
     members by worker): M-1 messages, and the hop out of the worker carries (M-1) P
-    bytes; two phases run among the M devices, `all_to_all_rounds(M)` rounds, and the
+    bytes; two phases run among the M devices, `all_to_all_rounds(M)` rounds whose
     worker's link carries what its L devices send to the other workers' devices,
-    L (N-1)/N (P + S) (`bytes_sent`).
+    L (N-1)/N P, then one ring gather of the re-compressed chunks, (M-1)/M S
+    (`bytes_sent`). One worker's devices (N = 1) exchange as L members on
+    `local_link`.
 
     Args:
       kind: one of `KINDS`.
@@ -131,6 +133,8 @@ def exchange_seconds(kind: str, workers: int, payload_bytes: float, link: Link =
         raise ValueError(f"workers must be an integer >= 1, got {workers!r}")
     if not (isinstance(local, int) and local >= 1):
         raise ValueError(f"local must be an integer >= 1 (devices per worker), got {local!r}")
+    if n == 1 and local > 1 and kind != "hierarchical":
+        return exchange_seconds(kind, local, payload_bytes, local_link or link, server_bytes)
     if kind in ("ring", "tree") and local > 1:
         raise ValueError(f"workers of several devices all-reduce in the hierarchical "
                          f"exchange, not {kind!r}; valid with local={local}: hierarchical, "
@@ -160,14 +164,16 @@ def bytes_sent(kind: str, workers: int, payload_bytes: float,
                server_bytes: float | None = None, local: int = 1) -> float:
     """Bytes one worker sends to the others in one exchange of one bucket, its `local`
     devices together (see `exchange_seconds`)."""
-    n = workers
+    n, m = workers, workers * local
+    if n == 1 and kind in KINDS:
+        return 0.0
     if kind in ALL_REDUCES:
         return 2 * (n - 1) / n * payload_bytes
     if kind == "gather":
-        return (n * local - 1) * payload_bytes
+        return (m - 1) * payload_bytes
     if kind == "two_phase":
         server = payload_bytes if server_bytes is None else server_bytes
-        return local * (n - 1) / n * (payload_bytes + server)
+        return local * (n - 1) / n * payload_bytes + (m - 1) / m * server
     raise ValueError(f"unknown exchange {kind!r}; valid: {', '.join(KINDS)}")
 
 
