@@ -101,12 +101,6 @@ def main(argv):
             raise app.UsageError(f"--compression={FLAGS.compression} "
                                  f"--compression_options={FLAGS.compression_options}: {e}") from e
 
-    def optimizer(k):    # Adam(1e-3) as the compressor adapts it
-        opt = train_digits.make_optimizer(k)
-        return opt if ops is None else ops.adapt_optimizer(opt)
-    if ops is not None and FLAGS.loop == "fit":
-        train_digits.check_optimizer(ops, optimizer, "this example's model.fit trains with "
-                                     "Adam; --loop=custom trains with SGD without momentum")
     options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=FLAGS.timeout)
     resolver = None
     if FLAGS.cluster == "slurm":
@@ -121,6 +115,14 @@ def main(argv):
     strategy = gs.MultiWorkerMirroredStrategy(cross_device_ops=ops, cluster_resolver=resolver,
                                               communication_options=options)
     rank = strategy.worker_index     # a chief, if the cluster has one, is 0
+
+    def optimizer(k):    # Adam(1e-3) as the compressor adapts it
+        opt = train_digits.make_optimizer(k)
+        return opt if ops is None else ops.adapt_optimizer(opt)
+    if ops is not None and FLAGS.loop == "fit":
+        # After the strategy: TensorFlow's collectives are set up before any op runs.
+        train_digits.check_optimizer(ops, optimizer, "this example's model.fit trains with "
+                                     "Adam; --loop=custom trains with SGD without momentum")
     keras = tf.keras
     x_train, x_test, y_train, y_test = train_digits.load_data(0)
 

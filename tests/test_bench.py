@@ -153,7 +153,8 @@ def test_examples_refuse_bad_flags_before_training():
             ("multiworker_digits.py", ["--compression_options={ratio:0.1}"],
              "--compression_options must be a JSON object"),
             ("multiworker_digits.py", ["--compression=topk", '--compression_options={"r": 1}'],
-             "compressor 'topk' got unknown arguments ['r']")]:
+             "compressor 'topk' got unknown arguments ['r']"),
+            ("multiworker_digits.py", ["--compression=dgc"], "model.fit trains with Adam")]:
         out = subprocess.run([sys.executable, os.path.join(root, "examples", script), *args],
                              env=env, capture_output=True, text=True, timeout=120, cwd=root)
         assert out.returncode == 1 and message in out.stderr, (script, out.stderr[-2000:])

@@ -259,6 +259,11 @@ class OptimizerRefused(ValueError):
     under Adam), whatever else the job is. Callers that try compressors (autotune's
     trials, the accuracy bench) pass over the refusing one."""
 
+    # Raised while a step is traced, an error reaches the user through autograph, which
+    # re-creates it as itself only where its constructor is Exception's (a subclass of
+    # its own would arrive as a StagingError, no ValueError).
+    __init__ = Exception.__init__
+
 
 class Compressor(abc.ABC):
     """Base class of all compressors.
