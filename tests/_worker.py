@@ -6,7 +6,7 @@ that holds the model, the optimizer and the ops' compression state.
 
     python -m tf_gradsync.launch --num_workers=2 -- tests/_worker.py --out=DIR \
         --compression=topk --options='{"ratio": 0.05}' --steps=30 [--first_step=N]
-        [--exchange=two_phase]
+        [--exchange=two_phase] [--rank1_compression=fp16]
         [--restore=PREFIX] [--save=DIR]
 
 With --compression=autotune the ops come from `tf_gradsync.autotune` (each worker
@@ -58,7 +58,10 @@ def main() -> None:
     p.add_argument("--first_step", type=int, default=0)
     p.add_argument("--restore", default=None, help="checkpoint prefix; {rank} is replaced")
     p.add_argument("--save", default=None, help="checkpoint directory; {rank} is replaced")
+    p.add_argument("--rank1_compression", default=None, help="task 1's compressor instead")
     a = p.parse_args()
+    if a.rank1_compression and json.loads(os.environ["TF_CONFIG"])["task"]["index"] == 1:
+        a.compression, a.options = a.rank1_compression, "{}"
     decision = None
     if a.compression == "autotune":
         strategy = gs.MultiWorkerMirroredStrategy()

@@ -13,7 +13,7 @@ import tensorflow as tf
 import tf_gradsync as gs
 import multiworker_digits  # examples/multiworker_digits.py
 import train_digits
-from _multiworker import PARAMS, ROOT, assert_same_weights, launch, results
+from _multiworker import PARAMS, ROOT, assert_same_weights, launch, results, run_launcher
 
 
 @pytest.fixture(scope="module")
@@ -181,7 +181,6 @@ def test_twin_reductions_keep_their_own_state_across_workers(tmp_path):
     """Two reductions of one shape in a step, across two workers: the second (zero)
     stays zero (its collectives and state are its own, keyed alike on both workers),
     both workers agree, and the loss all-reduced by hand is exact and no step."""
-    from _multiworker import run_launcher
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_twin_worker.py")
     proc, _ = run_launcher(script, 2, str(tmp_path), timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
@@ -199,7 +198,6 @@ def test_two_workers_of_two_devices_match_four_devices_of_one_process(tmp_path, 
     phases) computes what the same four replicas compute in one process; between workers
     the hierarchical sum sends each worker's shards, not a second full payload."""
     import _hierarchical
-    from _multiworker import run_launcher
     steps = 3
     proc, _ = run_launcher(_hierarchical.__file__, 2, f"--out={tmp_path}",
                            f"--modes={','.join(HIERARCHICAL_MODES)}", f"--steps={steps}",
@@ -224,3 +222,18 @@ def test_two_workers_of_two_devices_match_four_devices_of_one_process(tmp_path, 
         ref = ops.stats()["last_bytes_sent"]
         # Across workers, payloads of different shapes travel padded to whole words.
         assert all(ref <= s <= 1.1 * ref for s in sent), (mode, sent, ref)
+
+
+@pytest.mark.slow
+def test_workers_of_different_ops_stop_at_once_naming_their_ops(tmp_path):
+    """A worker built with another compressor would meet the others in collectives of
+    other keys and shapes and wait there forever (top-k against fp16 did, without a
+    timeout); both stop at the strategy's creation instead, naming their ops."""
+    import _worker  # tests/_worker.py
+    proc, _ = run_launcher(_worker.__file__, 2, f"--out={tmp_path}", "--compression=topk",
+                           "--rank1_compression=fp16", "--steps=3", timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out[-3000:]
+    assert "worker 0 has CompressedAllReduce(ErrorFeedback(inner=TopK(ratio=0.01))" in out
+    assert "worker 1 has CompressedAllReduce(Float16()" in out
+    assert "every worker must build the same compressor" in out

@@ -16,10 +16,12 @@ scalars across replicas. Nothing else in Keras or TensorFlow is changed.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from typing import Any
 
+import numpy as np
 import tensorflow as tf
 
 from tf_gradsync import _tf_compat
@@ -85,18 +87,47 @@ class MultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
         constructor); call it before building any training step (`tf_gradsync.autotune`
         does, after probing the link).
 
+        Every worker must call it with the same ops: it checks that they agree (one small
+        exact all-reduce).
+
         Raises:
-          ValueError: if `ops` is not a `CompressedAllReduce`.
+          ValueError: if `ops` is not a `CompressedAllReduce`, or, on every worker, if
+            the workers' ops differ (another compressor, setting or bucket size).
         """
         if not isinstance(ops, CompressedAllReduce):
             raise ValueError(f"cross_device_ops must be a tf_gradsync.CompressedAllReduce, "
                              f"got {ops!r}")
+        if self.num_workers > 1:
+            self._check_same_everywhere(ops)
         ops.join_cluster(self.num_workers, self._exact_ops, self.worker_index)
         # Under model.fit a stuck peer also stalls the metrics' collectives, which are
         # TensorFlow's: the ops' timeout bounds them too.
         _tf_compat.bound_collectives(self, ops.timeout_seconds)
         _tf_compat.set_cross_device_ops(self, ops)
         _tf_compat.use_merge_call_for_all_reduce(self.extended)
+
+    def _check_same_everywhere(self, ops: CompressedAllReduce) -> None:
+        """Raises ValueError on every worker unless all describe `ops` alike (its repr:
+        compressor, settings, bucket size, exchange). Workers of other ops would meet in
+        collectives of other keys or shapes at the first step and wait there forever,
+        or fail with TensorFlow's internal messages. A digest of 48 bits, in three
+        16-bit parts, is summed with its squares over the replicas through TensorFlow's
+        exact collectives: the parts agree everywhere exactly when n * sum(h^2) equals
+        sum(h)^2 (float64 holds these sums exactly up to 2^21 replicas)."""
+        digest = hashlib.sha256(repr(ops).encode()).digest()
+        parts = np.array([int.from_bytes(digest[i:i + 2], "big") for i in (0, 2, 4)],
+                         np.float64)
+        mine = tf.constant(np.concatenate([parts, parts ** 2]))
+        values = self.experimental_distribute_values_from_function(lambda _: tf.identity(mine))
+        summed = self._exact_ops.reduce(tf.distribute.ReduceOp.SUM, values, values)
+        total = self.experimental_local_results(summed)[0].numpy()
+        n = self.num_replicas_in_sync
+        if np.any(n * total[3:] != total[:3] ** 2):
+            raise ValueError(
+                f"the workers' CompressedAllReduce differ: worker {self.worker_index} has "
+                f"{ops!r}, and another worker something else; every worker must build the "
+                "same compressor, settings and bucket_bytes (ops that differ meet in "
+                "collectives of other shapes at the first step and wait there)")
 
     @property
     def worker_index(self) -> int:
