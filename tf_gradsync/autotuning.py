@@ -469,7 +469,9 @@ def _try(strategy: tf.distribute.Strategy, specs, decision: Decision, trials: in
     rest. Then the winner at each other bucket size that cuts the model differently:
     the model prices fewer, larger buckets as cheaper, but leaves out the copies that
     fuse several tensors into one and the overlap of buckets. Then, when the two
-    fastest are within `runoff` of each other, a run-off between them.
+    fastest are within `runoff` of each other, a run-off between them. A compressor the
+    step's optimizer refuses (`compression.OptimizerRefused`) measures infinity, and its
+    trials go to the next candidates of other compressors.
 
     Each candidate runs the step `make_step` builds or, without it, reduces the same
     gradient-sized tensors (normal noise, different on every replica) through the
