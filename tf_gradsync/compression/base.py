@@ -606,21 +606,20 @@ class Compressor(abc.ABC):
             setattr(wrapped, _ADAPTED, True)
             return wrapped
         factor, changes = self._optimizer_changes(optimizer)
-        if factor == 1 and not changes:
-            # What the first step would refuse (dgc under Adam) is refused here, before
-            # a model is built around it.
-            self.check_optimizer(optimizer)
-            return optimizer
-        config = optimizer_config(optimizer)
-        lr = config.get("learning_rate")
-        if not _number(lr):
-            raise ValueError(
-                f"{self!r} trains {type(optimizer).__name__} at {factor:.3g}x its learning "
-                f"rate with {changes}, but the rate is {lr!r}, not a number: multiply a "
-                f"schedule's rates by {factor:.3g} and set {changes} yourself")
-        config.update(changes, learning_rate=float(lr) * factor)
-        adapted = type(optimizer).from_config(config)
-        setattr(adapted, _ADAPTED, True)
+        adapted = optimizer
+        if factor != 1 or changes:
+            config = optimizer_config(optimizer)
+            lr = config.get("learning_rate")
+            if not _number(lr):
+                raise ValueError(
+                    f"{self!r} trains {type(optimizer).__name__} at {factor:.3g}x its "
+                    f"learning rate with {changes}, but the rate is {lr!r}, not a number: "
+                    f"multiply a schedule's rates by {factor:.3g} and set {changes} yourself")
+            config.update(changes, learning_rate=float(lr) * factor)
+            adapted = type(optimizer).from_config(config)
+            setattr(adapted, _ADAPTED, True)
+        # What the first step would refuse (dgc under Adam) is refused here, before a
+        # model is built around it.
         self.check_optimizer(adapted)
         return adapted
 
