@@ -27,15 +27,19 @@ class _Cast(Compressor):
 
     wire_dtype: ClassVar[tf.DType]
 
+    def _narrows(self, dtype: tf.DType) -> bool:
+        """Whether the cast makes a bucket of `dtype` smaller (16-bit ones go as they are)."""
+        return dtype.size > self.wire_dtype.size
+
     def compress(self, x: tf.Tensor, ctx: Context):
         del ctx
-        wire = self.wire_dtype if x.dtype.size > self.wire_dtype.size else x.dtype
+        wire = self.wire_dtype if self._narrows(x.dtype) else x.dtype
         return (tf.cast(x, wire),), x.dtype
 
     def prescales(self, dtype: tf.DType) -> bool:
         """Only what the cast narrows: a 16-bit bucket is summed as TensorFlow sums it,
         its small values not divided towards zero first."""
-        return self.prescale and dtype.size > self.wire_dtype.size
+        return self.prescale and self._narrows(dtype)
 
     def decompress(self, payload: Sequence[tf.Tensor], meta: tf.DType) -> tf.Tensor:
         return tf.cast(payload[0], meta)
