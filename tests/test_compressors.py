@@ -787,6 +787,17 @@ def test_adapt_optimizer_scales_the_rate_and_drops_the_first_moment():
     sign = gs.CompressedAllReduce("sign").adapt_optimizer(adam).get_config()
     assert sign["learning_rate"] == pytest.approx(1.25e-3) and sign["beta_1"] == pytest.approx(0.9)
     assert gs.CompressedAllReduce("sign").adapt_optimizer(sgdm) is sgdm
+    # Every entry sent every step (K = 1): no bursts, so even a short momentum window
+    # (0.5: half of it is one step) stays, and nothing is advised.
+    short_sgdm = tf.keras.optimizers.SGD(0.05, momentum=0.5)
+    short_adam = tf.keras.optimizers.Adam(1e-3, beta_1=0.5)
+    for name in ("none", "fp16", "int8", "powersgd"):
+        dense = gs.CompressedAllReduce(name)
+        assert dense.adapt_optimizer(short_sgdm) is short_sgdm, name
+        assert dense.adapt_optimizer(short_adam) is short_adam, name
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            dense.compressor.check_optimizer(short_sgdm)
     schedule = tf.keras.optimizers.schedules.ExponentialDecay(1e-3, 100, 0.9)
     with pytest.raises(ValueError, match=r"4.64x its learning rate.*not a number.*beta_1"):
         ops.adapt_optimizer(tf.keras.optimizers.Adam(schedule))

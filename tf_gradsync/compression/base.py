@@ -556,8 +556,8 @@ class Compressor(abc.ABC):
         Under an optimizer that divides by a running root mean square, the copy trains
         at `learning_rate_scale` times the learning rate (sqrt(K) for a payload whose
         entries wait K steps between sends, `send_interval`; 1 / `rms_step` for coarse
-        payloads that send every entry). Where K is at least half the window
-        1 / (1 - beta) of the optimizer's momentum, the momentum goes: Adam's first
+        payloads that send every entry). Where entries wait (K > 1) at least half the
+        window 1 / (1 - beta) of the optimizer's momentum, the momentum goes: Adam's first
         moment (`beta_1=0`), or SGD's and RMSprop's heavy ball (`momentum=0`,
         `nesterov=False`, the learning rate 1 / (1 - momentum) times larger, the
         long-run step of the momentum). Error feedback already
@@ -634,9 +634,13 @@ class Compressor(abc.ABC):
         factor = self.learning_rate_scale(optimizer)
         config, k, changes = optimizer_config(optimizer), self.send_interval(), {}
         beta_1, momentum = config.get("beta_1"), config.get("momentum")
-        if divides_by_rms(optimizer) and _positive(beta_1) and k >= 0.5 / (1 - beta_1):
+        # Only entries that wait between sends come in bursts: with every entry sent every
+        # step (K = 1) a momentum of any window is kept.
+        bursts = k > 1
+        if (bursts and divides_by_rms(optimizer) and _positive(beta_1)
+                and k >= 0.5 / (1 - beta_1)):
             changes["beta_1"] = 0.0
-        if _positive(momentum) and momentum < 1 and k >= 0.5 / (1 - momentum):
+        if bursts and _positive(momentum) and momentum < 1 and k >= 0.5 / (1 - momentum):
             changes["momentum"] = 0.0
             factor /= 1 - momentum
             if config.get("nesterov"):
