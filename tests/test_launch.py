@@ -68,17 +68,39 @@ def test_failure_stops_the_others_and_returns_its_code(tmp_path):
             os.kill(pid, 0)
 
 
-def test_sigterm_is_forwarded(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT])
+def test_a_signal_is_forwarded_as_it_came(tmp_path, sig):
+    """Each worker gets the launcher's signal itself, not SIGTERM for all: a Ctrl-C is a
+    KeyboardInterrupt in the workers, and a closed terminal (SIGHUP) or SIGQUIT stops
+    them too instead of leaving them running."""
     script = tmp_path / "w.py"
-    script.write_text("import time; print('up', flush=True); time.sleep(600)")
+    script.write_text(
+        "import os, signal, sys, time\n"
+        "for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):\n"
+        "    signal.signal(s, lambda n, f: (print('got', n, flush=True), sys.exit(3)))\n"
+        "print('up', os.getpid(), flush=True)\n"
+        "try:\n"
+        "    time.sleep(600)\n"
+        "except KeyboardInterrupt:\n"
+        "    print('got', int(signal.SIGINT), flush=True)\n"
+        "    sys.exit(3)\n")
     proc = subprocess.Popen([sys.executable, "-m", "tf_gradsync.launch", "--num_workers=2",
-                             "--grace_seconds=1", "--", str(script)], env=ENV,
+                             "--grace_seconds=20", "--", str(script)], env=ENV,
                             stdout=subprocess.PIPE, text=True)
-    seen = 0
-    while seen < 2:
-        seen += "up" in proc.stdout.readline()
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+    pids = []
+    while len(pids) < 2:
+        line = proc.stdout.readline()
+        if " up " in line:
+            pids.append(int(line.split()[-1]))
+    start = time.monotonic()
+    proc.send_signal(sig)
+    assert proc.wait(timeout=30) == 128 + sig
+    # The workers' handlers ran (well within the grace period: no SIGKILL needed).
+    assert proc.stdout.read().count(f"got {int(sig)}") == 2
+    assert time.monotonic() - start < 15
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
 
 
 def test_print_tf_config_for_hosts():
@@ -87,6 +109,10 @@ def test_print_tf_config_for_hosts():
     lines = out.stdout.splitlines()
     cfg = json.loads(lines[1].split("TF_CONFIG=", 1)[1].strip("'"))
     assert cfg == {"cluster": {"worker": ["a:2222", "b:2223"]}, "task": {"type": "worker", "index": 1}}
+    # The last worker may take the last port.
+    out = run(["--num_workers=2", "--hosts=a,b", "--port=65534", "--print_tf_config"])
+    assert out.returncode == 0, out.stderr
+    assert '"b:65535"' in out.stdout
 
 
 @pytest.mark.parametrize("flags,env,expected", [
@@ -115,7 +141,8 @@ def test_thread_env():
 
 @pytest.mark.parametrize("args,message", [
     (["--num_workers=0", "--", "x.py"], "--num_workers must be >= 1, got 0"),
-    (["--num_workers=2", "--port=70000", "--", "x.py"], "--port must be in 1..65533, got 70000"),
+    (["--num_workers=2", "--port=70000", "--", "x.py"], "--port must be in 1..65534, got 70000"),
+    (["--num_workers=2", "--port=65535", "--", "x.py"], "--port must be in 1..65534, got 65535"),
     (["--num_workers=2", "--hosts=a", "--", "x.py"], "--hosts must name 2 non-empty hosts, got 'a'"),
     (["--num_workers=2", "--grace_seconds=0", "--", "x.py"],
      "--grace_seconds must be a finite number > 0, got 0.0"),

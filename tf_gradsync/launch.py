@@ -5,10 +5,12 @@
 Each worker is `python script.py [args]` in its own process group, with
 `TF_CONFIG={"cluster": {"worker": [...]}, "task": {"type": "worker", "index": i}}`.
 Output lines are prefixed with the worker's rank. If a worker exits non-zero the others
-are terminated and the launcher exits with that worker's code. Ctrl-C / SIGTERM are
-forwarded to every worker. TensorFlow installs its own SIGTERM handler, so a worker may
-ignore SIGTERM: after `--grace_seconds` the whole process group gets SIGKILL, and no
-process is ever left behind.
+are terminated and the launcher exits with that worker's code. A Ctrl-C (SIGINT),
+SIGTERM, SIGHUP (the terminal closed) or SIGQUIT that reaches the launcher is forwarded
+to every worker as it came, so a worker's own handlers run (a KeyboardInterrupt for
+Ctrl-C). TensorFlow installs its own SIGTERM handler, so a worker may ignore the signal:
+after `--grace_seconds` the whole process group gets SIGKILL, and no process is ever
+left behind.
 
 `--restarts=K` re-runs the whole job after a failure, up to K times: every worker is
 stopped, then all start again (on fresh free ports unless `--port` is given) with
@@ -115,8 +117,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         args.command = args.command[1:]
     if args.num_workers < 1:
         p.error(f"--num_workers must be >= 1, got {args.num_workers}")
-    if args.port is not None and not 1 <= args.port <= 65535 - args.num_workers:
-        p.error(f"--port must be in 1..{65535 - args.num_workers}, got {args.port}")
+    # Worker i listens on port + i, and the last of them on 65535 at most.
+    if args.port is not None and not 1 <= args.port <= 65536 - args.num_workers:
+        p.error(f"--port must be in 1..{65536 - args.num_workers}, got {args.port}")
     if not 0 < args.grace_seconds < math.inf:
         p.error(f"--grace_seconds must be a finite number > 0, got {args.grace_seconds}")
     if args.threads_per_worker is not None and args.threads_per_worker < 0:
@@ -247,9 +250,10 @@ class Job:
                 except ProcessLookupError:
                     pass
 
-    def stop(self) -> None:
-        """SIGTERM every process group, then SIGKILL after the grace period."""
-        self.signal(signal.SIGTERM)
+    def stop(self, sig: int | None = None) -> None:
+        """`sig` (SIGTERM by default) to every process group, then SIGKILL after the
+        grace period."""
+        self.signal(signal.SIGTERM if sig is None else sig)
         deadline = time.monotonic() + self.grace_seconds
         while time.monotonic() < deadline and any(p.poll() is None for p in self.procs):
             time.sleep(0.05)
@@ -290,8 +294,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     def forward(signum, frame):
         received.append(signum)
         if job is not None:
-            job.stop()
-    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+            job.stop(signum)
+    old = {s: signal.signal(s, forward)
+           for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)}
     try:
         for attempt in range(args.restarts + 1):
             # Free ports are probed again for every attempt: the previous attempt's may
@@ -299,7 +304,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             job = Job(args.command, tf_configs(addresses()), args.grace_seconds,
                       env={ATTEMPT_ENV: str(attempt)}, threads=args.threads_per_worker)
             if received:      # a signal that arrived while the workers were starting
-                job.stop()
+                job.stop(received[0])
                 break
             try:
                 code = job.wait(args.attempt_timeout)
