@@ -46,6 +46,36 @@ def test_rows_are_the_cost_models_predictions():
     assert topk["two_phase"]["bytes_per_worker"] < topk["gather"]["bytes_per_worker"]
 
 
+def test_a_specs_own_ops_settings_are_priced_as_they_run():
+    """Settings of the ops in a spec price what those ops would run: a pinned exchange
+    is the only row, a bucket size plans the payloads, and a guard (which cannot cut a
+    bucket into chunks) travels gathered, its inner compressor's payload and the
+    guard's own error terms."""
+    specs = plan.specs_of(None, 1_000_000)
+    rows = plan.plan(specs, ["topk", "topk:exchange=two_phase", "topk:bucket_bytes=65536",
+                             "topk:guard=true"], [8], ["1gbit"], 0.05)
+    by = {(r["compressor"], r["exchange"]): r for r in rows}
+    assert set(by) == {("topk", "gather"), ("topk", "two_phase"),
+                       ("topk:exchange=two_phase", "two_phase"),
+                       ("topk:bucket_bytes=65536", "gather"),
+                       ("topk:bucket_bytes=65536", "two_phase"), ("topk:guard=true", "gather")}
+    assert by["topk:exchange=two_phase", "two_phase"] == dict(
+        by["topk", "two_phase"], compressor="topk:exchange=two_phase")
+    link = Link(50e-6, parse_bandwidth("1gbit"))
+    for spec, bucket_bytes in (("topk:bucket_bytes=65536", 65536),
+                               ("topk:guard=true", DEFAULT_BUCKET_BYTES)):
+        compressor = ops_from_spec(spec).compressor
+        p = costmodel.predict(compressor, costmodel.model_payloads(compressor, specs,
+                                                                   bucket_bytes, 8),
+                              "gather", 8, link, 0.05)
+        assert by[spec, "gather"]["predicted_step_s"] == pytest.approx(p.step_s)
+    # Smaller buckets: more messages, the same entries.
+    assert (by["topk:bucket_bytes=65536", "gather"]["predicted_step_s"]
+            > by["topk", "gather"]["predicted_step_s"])
+    guarded = by["topk:guard=true", "gather"]["bytes_per_worker"]
+    assert 0 < guarded - by["topk", "gather"]["bytes_per_worker"] < 100
+
+
 def test_several_devices_per_worker_price_what_the_job_runs():
     specs = plan.specs_of(None, 1_000_000)
     local = Link(10e-6, parse_bandwidth("100gbit"))
@@ -186,6 +216,10 @@ def test_the_command_line_prints_and_writes_rows(tmp_path):
     (["--params=1000", "--compute_s=1", "--compressors=zip"], "unknown compressor 'zip'"),
     (["--params=1000", "--compute_s=1", "--json=/no/such/folder/rows.json"],
      "--json=/no/such/folder/rows.json: folder '/no/such/folder' does not exist"),
+    (["--params=1000", "--compute_s=1", "--json=/tmp"],
+     "--json=/tmp is a folder; name a file (e.g. /tmp/rows.json)"),
+    (["--params=1000", "--compute_s=1", "--json=/proc/self/rows.json"],
+     "--json=/proc/self/rows.json cannot be written"),
     (["--params=1000", "--compute_s=1", "--workers", "2", "8"],
      "unexpected argument(s) 8; several values go in one flag, comma-separated"),
     (["--params=1000", "--compute_s=1", "--bandwidth="], "--bandwidth needs at least one rate"),

@@ -121,7 +121,8 @@ def bucket_payload(compressor: Compressor, layout: Layout, workers: int) -> Buck
     """One bucket's payload under `compressor` among `workers` (its chunks' too, where
     they may travel in two phases)."""
     chunks = None
-    if not compressor.summable and workers > 1 and layout.numel >= workers:
+    if (not compressor.summable and compressor.splittable and workers > 1
+            and layout.numel >= workers):
         chunks = two_phase.payload_bytes(compressor, layout, workers)
     return BucketPayload(layout.numel, layout.numel * layout.dtype.size,
                          bucket_rounds(compressor, layout), chunks)
@@ -154,10 +155,12 @@ def exchanges_for(compressor: Compressor | str, local: int = 1) -> tuple[str, ..
     """The exchanges a compressor's payloads can travel in between workers of `local`
     devices each: summed ones in a ring or a tree among workers of one device, in the
     hierarchical exchange among workers of several (what `CompressedAllReduce` runs
-    there); gathered ones in a gather or two phases."""
-    if get(compressor).summable:
+    there); gathered ones in a gather or, where they can be cut into chunks
+    (`splittable`), two phases."""
+    compressor = get(compressor)
+    if compressor.summable:
         return ("hierarchical",) if local > 1 else ALL_REDUCES[:2]
-    return ("gather", "two_phase")
+    return ("gather", "two_phase") if compressor.splittable else ("gather",)
 
 
 def predict(compressor: Compressor | str, payloads: Sequence[BucketPayload], exchange: str,

@@ -200,7 +200,9 @@ def plan(specs, compressors: Sequence[str], workers: Sequence[int], bandwidths: 
 
     Args:
       specs: `(shape, dtype)` of every trainable weight.
-      compressors: registered names, optionally with settings (`topk:ratio=0.001`).
+      compressors: registered names, optionally with settings (`topk:ratio=0.001`),
+        the ops' too (`sign:exchange=two_phase`, `topk:bucket_bytes=1048576`), which
+        take the place of `bucket_bytes` and of the exchanges not pinned.
       workers: worker counts.
       bandwidths: link rates, tc style.
       compute_s: forward + backward seconds per step.
@@ -223,10 +225,14 @@ def plan(specs, compressors: Sequence[str], workers: Sequence[int], bandwidths: 
         raise ValueError(f"devices per worker must be an integer >= 1, got {devices!r}")
     local_link = local_link or Link(LOCAL_LATENCY_US * 1e-6, parse_bandwidth(LOCAL_BANDWIDTH))
     links = [(b, Link(latency_s, parse_bandwidth(b))) for b in bandwidths]
-    built = {spec: ops_from_spec(spec) for spec in dict.fromkeys(["none", *compressors])}
+    # A spec's own settings of the ops (`topk:bucket_bytes=...:exchange=two_phase`) are
+    # priced as they would run, over the flags'.
+    built = {spec: ops_from_spec(spec, bucket_bytes=bucket_bytes)
+             for spec in dict.fromkeys(["none", *compressors])}
     rows = []
     for n in workers:
-        payloads = {s: costmodel.model_payloads(ops.compressor, specs, bucket_bytes, n * devices)
+        payloads = {s: costmodel.model_payloads(ops.compressor, specs, ops.bucket_bytes,
+                                                n * devices)
                     for s, ops in built.items()}
         for band, link in links:
             # One worker's devices are the members, on the link between them.
@@ -235,6 +241,8 @@ def plan(specs, compressors: Sequence[str], workers: Sequence[int], bandwidths: 
             for spec, ops in built.items():
                 rate = (throughput or {}).get(spec)
                 for ex in costmodel.exchanges_for(ops.compressor, local):
+                    if not (ops.compressor.summable or ops.exchange in ("auto", ex)):
+                        continue       # the spec pins the other exchange
                     p = costmodel.predict(ops.compressor, payloads[spec], ex, members, wire,
                                           compute_s, rate, overlap, local=local,
                                           local_link=local_link, jit_compile=ops.jit_compile,

@@ -53,13 +53,28 @@ FLAGS = flags.FLAGS
 
 
 def check_outputs(**paths) -> None:
-    """Raises ValueError for an output flag (`json="/path/x.json"`) whose folder does
-    not exist: checked before a suite runs, so that minutes of measurement are not
-    lost when its results are written."""
+    """Raises ValueError for an output flag (`json="/path/x.json"`) that cannot be
+    written: its folder does not exist, it names a folder, or opening it fails (no
+    permission, a read-only file system). Checked before a suite runs, so that minutes
+    of measurement are not lost when its results are written; a file the check creates
+    is removed again."""
     for flag, path in paths.items():
-        folder = os.path.dirname(os.path.abspath(path)) if path else None
-        if folder and not os.path.isdir(folder):
+        if not path:
+            continue
+        folder = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(folder):
             raise ValueError(f"--{flag}={path}: folder {folder!r} does not exist")
+        if os.path.isdir(path):
+            raise ValueError(f"--{flag}={path} is a folder; name a file (e.g. "
+                             f"{os.path.join(path, 'rows.' + flag)})")
+        existed = os.path.exists(path)
+        try:
+            with open(path, "a", encoding="utf-8"):
+                pass
+        except OSError as e:
+            raise ValueError(f"--{flag}={path} cannot be written: {e.strerror}") from e
+        if not existed:
+            os.remove(path)
 
 
 def table(rows, cols) -> str:
