@@ -88,6 +88,12 @@ def test_an_output_in_a_missing_folder_is_refused_before_the_suite_runs(tmp_path
     (["micro", "--micro_jit_compile=maybe"], "--micro_jit_compile takes true and/or false"),
     (["passes", "--passes_shape=16"], "--passes_shape must be a kernel's two dimensions"),
     (["single_host", "--rounds=0"], "flag --rounds=0: 0 is not a positive integer"),
+    (["single_host", "--stock_ops=r1d,bogus"], "--stock_ops has bogus; valid: r1d, default, hier"),
+    (["single_host", "--global_batch=6"], "--global_batch=6 does not split over the 4 replicas"),
+    (["accuracy", "--models=mlp,nosuch"], "unknown models or optimizers ['nosuch']; valid models:"),
+    (["accuracy", "--optimizers=bogus"], "unknown models or optimizers ['bogus']"),
+    (["accuracy", "--accuracy_seeds=0,x"], "--accuracy_seeds takes integers; got 0,x"),
+    (["accuracy", "--target_accuracy=2"], "--target_accuracy is a test accuracy in (0, 1], got 2"),
 ])
 def test_bad_flags_are_refused_before_anything_is_measured(args, message):
     out = bench(*args, timeout=120)

@@ -333,13 +333,7 @@ def compare(modes: Sequence[str], devices: Sequence[str], epochs: int, target: f
     Raises:
       ValueError: for an unknown model or recipe.
     """
-    unknown = [m for m in models if m not in train_digits().MODELS]
-    unknown += [r for r in recipes if r.split(":")[0] not in RECIPES]
-    if unknown:
-        raise ValueError(f"unknown models or optimizers {unknown}; valid models: "
-                         f"{', '.join(train_digits().MODELS)}; optimizers: {', '.join(RECIPES)}")
-    for r in recipes:
-        recipe_of(r)      # bad overrides fail before any training
+    check_cells(models, recipes)
     data = train_digits().load_data(SEED)
     rows = []
     for model in models:
@@ -396,15 +390,39 @@ def matrix_table(rows: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
+def check_cells(models: Sequence[str], recipes: Sequence[str]) -> None:
+    """Raises ValueError for an unknown model or recipe, or a recipe's bad override."""
+    unknown = [m for m in models if m not in train_digits().MODELS]
+    unknown += [r for r in recipes if r.split(":")[0] not in RECIPES]
+    if unknown:
+        raise ValueError(f"unknown models or optimizers {unknown}; valid models: "
+                         f"{', '.join(train_digits().MODELS)}; optimizers: {', '.join(RECIPES)}")
+    for r in recipes:
+        recipe_of(r)
+
+
+def _seeds() -> list[int]:
+    try:
+        return [int(s) for s in FLAGS.accuracy_seeds]
+    except ValueError:
+        raise ValueError(f"--accuracy_seeds takes integers; got "
+                         f"{','.join(FLAGS.accuracy_seeds)}") from None
+
+
+def check() -> None:
+    """Refuses bad flag values before anything is trained."""
+    check_cells(FLAGS.models, FLAGS.optimizers)
+    _seeds()
+    if not 0 < FLAGS.target_accuracy <= 1:
+        raise ValueError(f"--target_accuracy is a test accuracy in (0, 1], got "
+                         f"{FLAGS.target_accuracy}")
+
+
 def run() -> tuple[list[dict], list[str]]:
     """The suite: none, then --compressors (default: every other registered compressor)."""
     devices = gs.logical_cpus(REPLICAS)
     modes = FLAGS.compressors or ["none", *(n for n in gs.compression.names() if n != "none")]
-    try:
-        seeds = [int(s) for s in FLAGS.accuracy_seeds]
-    except ValueError:
-        raise ValueError(f"--accuracy_seeds takes integers; got {FLAGS.accuracy_seeds}") from None
     rows = compare(modes, devices, FLAGS.accuracy_epochs, FLAGS.target_accuracy,
-                   FLAGS.models, FLAGS.optimizers, FLAGS.adapt_optimizer, seeds)
+                   FLAGS.models, FLAGS.optimizers, FLAGS.adapt_optimizer, _seeds())
     print(matrix_table(rows), file=sys.stderr, flush=True)
     return rows, COLUMNS

@@ -164,6 +164,16 @@ def measure(modes: Sequence[str], devices: Sequence[str], width: int, layers: in
     return rows
 
 
+def check() -> None:
+    """Refuses bad flag values before anything is measured."""
+    bad = [s for s in FLAGS.stock_ops if s not in STOCK]
+    if bad:
+        raise ValueError(f"--stock_ops has {', '.join(bad)}; valid: {', '.join(STOCK)}")
+    if FLAGS.global_batch % REPLICAS:
+        raise ValueError(f"--global_batch={FLAGS.global_batch} does not split over the "
+                         f"{REPLICAS} replicas; give a multiple of {REPLICAS}")
+
+
 def run() -> tuple[list[dict], list[str]]:
     """The suite: --stock_ops, then --compressors (default none, fp16, topk, powersgd)."""
     devices = gs.logical_cpus(REPLICAS)
