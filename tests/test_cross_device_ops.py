@@ -284,6 +284,27 @@ def test_stats_count_payload_bytes(devices, compression, ratio):
     assert ops.stats()["bytes_sent"] == 0
 
 
+def test_reset_stats_leaves_the_compressors_schedules_running(devices):
+    """Zeroing the counters (bytes per epoch) does not restart a warm-up: a dense
+    warm-up of 3 steps runs once, and the steps reported count from the reset."""
+    ops = gs.CompressedAllReduce("topk", warmup_steps=3)
+    strategy = tf.distribute.MirroredStrategy(devices, cross_device_ops=ops)
+    value = per_replica(strategy, (64, 64), tf.float32, 0)
+    sent = []
+    for i in range(8):
+        if i == 5:
+            ops.reset_stats()
+            assert ops.stats()["steps"] == 0 and ops.stats()["bytes_sent"] == 0
+        ops.batch_reduce(SUM, [(value, value)])
+        sent.append(ops.stats()["last_bytes_sent"])
+    assert sent[0] == sent[1] == sent[2] > 4 * sent[3]          # dense, then top-k
+    assert sent[3:] == [sent[3]] * 5                             # no second warm-up
+    assert ops.stats()["steps"] == 3
+    assert ops.stats()["bytes_sent"] == 3 * sent[3]
+    ops.start_at_step(100)
+    assert ops.stats()["steps"] == 100
+
+
 def _crossing_edges(graph):
     """(tensor, src device, dst device) for edges into our ops that change device."""
     def dev(d):

@@ -35,6 +35,9 @@ class Stats:
             self._vars.update({
                 f: self._store.variable(f"stats_{f}", lambda: tf.constant(0.0, tf.float64))
                 for f in self._ERROR_FIELDS})
+            # The step counter at the last `reset`: what `steps` reports counts from it.
+            self._vars["steps_base"] = self._store.variable(
+                "stats_steps_base", lambda: tf.constant(0, tf.int64))
 
     def step_counter(self) -> tf.Tensor:
         """Synchronisations completed so far (read before this step's increment)."""
@@ -66,14 +69,21 @@ class Stats:
 
     def start_at(self, step: int) -> None:
         """Sets the step counter to `step` (it seeds per-step random choices and ends
-        compressors' warm-up), as if that many synchronisations had happened."""
+        compressors' warm-up), as if that many synchronisations had happened, and the
+        reported `steps` with it."""
         self._ensure()
         self._vars["steps"].assign(step)
+        self._vars["steps_base"].assign(0)
 
     def reset(self) -> None:
+        """Zeroes the counters as reported. The step counter itself runs on, since it
+        drives the compressors' schedules (warm-ups, per-step random choices): the
+        reported `steps` count from here."""
         self._ensure()
         for field in self._FIELDS + self._ERROR_FIELDS:
-            self._vars[field].assign(tf.zeros_like(self._vars[field]))
+            if field != "steps":
+                self._vars[field].assign(tf.zeros_like(self._vars[field]))
+        self._vars["steps_base"].assign(self._vars["steps"])
 
     def as_dict(self) -> dict[str, float]:
         """Current values as Python numbers, plus the derived compression ratio.
@@ -90,6 +100,7 @@ class Stats:
         """
         self._ensure()
         out = {f: int(self._vars[f].numpy()) for f in self._FIELDS}
+        out["steps"] -= int(self._vars["steps_base"].numpy())
         err, norm = (float(self._vars[f].numpy()) for f in self._ERROR_FIELDS)
         out["comm_error"] = (err / norm) ** 0.5 if norm > 0 else 0.0
         out["compression_ratio"] = (out["bytes_dense"] / out["bytes_sent"]
