@@ -3,6 +3,7 @@
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -78,8 +79,8 @@ def test_a_signal_is_forwarded_as_it_came(tmp_path, sig):
         "import os, signal, sys, time\n"
         "for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):\n"
         "    signal.signal(s, lambda n, f: (print('got', n, flush=True), sys.exit(3)))\n"
-        "print('up', os.getpid(), flush=True)\n"
         "try:\n"
+        "    print('up', os.getpid(), flush=True)\n"
         "    time.sleep(600)\n"
         "except KeyboardInterrupt:\n"
         "    print('got', int(signal.SIGINT), flush=True)\n"
@@ -101,6 +102,19 @@ def test_a_signal_is_forwarded_as_it_came(tmp_path, sig):
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_a_port_in_use_is_named_before_any_worker_starts(tmp_path):
+    script = tmp_path / "w.py"
+    script.write_text("print('started', flush=True)")
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen(1)
+        port = held.getsockname()[1]
+        out = run(["--num_workers=2", f"--port={port - 1}", "--", str(script)])
+    assert out.returncode == 2
+    assert f"port(s) {port} on 127.0.0.1 are in use" in out.stderr, out.stderr
+    assert "started" not in out.stdout
 
 
 def test_print_tf_config_for_hosts():

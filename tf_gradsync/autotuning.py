@@ -53,7 +53,8 @@ class Decision:
     """What autotune chose, and what it expects.
 
     Attributes:
-      compressor: the chosen compressor's name.
+      compressor: the chosen compressor: its name, or the instance that `autotune`'s
+        `compressors` listed.
       exchange: "ring", "tree", "hierarchical", "gather" or "two_phase" (see
         `costmodel`).
       bucket_bytes: the chosen bucket size.
@@ -77,7 +78,7 @@ class Decision:
         bucket.
     """
 
-    compressor: str
+    compressor: Any         # a name, or an instance from `compressors`
     exchange: str
     bucket_bytes: int
     predicted_step_s: float
@@ -295,7 +296,7 @@ def autotune(strategy: tf.distribute.Strategy, weights, *, compute: float | Call
       accuracy: "lossless" (none, fp16, bf16), "balanced" (adds the compressors within
         about a point of uncompressed training on every measured recipe) or
         "aggressive" (every compressor); see `Compressor.accuracy`.
-      compressors: the candidates instead of the class's.
+      compressors: the candidates instead of the class's (names or instances).
       bucket_sizes: candidate `bucket_bytes`.
       probe_bytes: sizes of the probing all-reduces.
       calibrate_numel: elements each candidate compresses when timed (and an eighth

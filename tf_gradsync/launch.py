@@ -9,8 +9,8 @@ are terminated and the launcher exits with that worker's code. A Ctrl-C (SIGINT)
 SIGTERM, SIGHUP (the terminal closed) or SIGQUIT that reaches the launcher is forwarded
 to every worker as it came, so a worker's own handlers run (a KeyboardInterrupt for
 Ctrl-C). TensorFlow installs its own SIGTERM handler, so a worker may ignore the signal:
-after `--grace_seconds` the whole process group gets SIGKILL, and no process is ever
-left behind.
+after `--grace_seconds` the whole process group gets SIGKILL, and no process is left
+behind (unless the launcher itself is killed with SIGKILL, which it cannot see).
 
 `--restarts=K` re-runs the whole job after a failure, up to K times: every worker is
 stopped, then all start again (on fresh free ports unless `--port` is given) with
@@ -71,6 +71,21 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     finally:
         for s in socks:
             s.close()
+
+
+def ports_in_use(ports: Sequence[int], host: str = "127.0.0.1") -> list[int]:
+    """Those of `ports` that a server cannot listen on at `host` now (probed as gRPC
+    binds, with SO_REUSEADDR)."""
+    busy = []
+    for port in ports:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((host, port))
+                s.listen(1)
+            except OSError:
+                busy.append(port)
+    return busy
 
 
 def tf_configs(addresses: Sequence[str]) -> list[dict]:
@@ -288,6 +303,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         for h, cfg in zip(args.hosts, tf_configs(addresses())):
             print(f"{h}: TF_CONFIG='{json.dumps(cfg)}'")
         return 0
+    local = [args.port + i for i, h in enumerate(args.hosts) if h == "127.0.0.1"] \
+        if args.port is not None else []
+    busy = ports_in_use(local)
+    if busy:
+        # TensorFlow's own error would name no port.
+        print(f"[launch] --port={args.port}: port(s) {', '.join(map(str, busy))} on "
+              "127.0.0.1 are in use; pick another --port or leave it out (free ports)",
+              file=sys.stderr, flush=True)
+        return 2
     job: Job | None = None
     received: list[int] = []
 
