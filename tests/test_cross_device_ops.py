@@ -184,6 +184,52 @@ def test_two_reductions_of_one_shape_in_a_step_keep_their_own_state(devices, nam
     assert ops.stats()["steps"] == 6
 
 
+@pytest.mark.parametrize("name", ["topk", "sign"])
+def test_models_of_one_shape_in_their_own_functions_keep_their_own_state(devices, name):
+    """Models of one shape trained one after another on the same ops (folds of a
+    cross-validation, a sweep), each in its own traced step: the optimizer applying the
+    gradients owns its state. A model whose gradient is zero stays where it is, though
+    another one left a residual before it; a model trained after the others are gone
+    takes over their state, reset, instead of adding its own."""
+    ops = gs.CompressedAllReduce(name)
+    strategy = tf.distribute.MirroredStrategy(devices, cross_device_ops=ops)
+
+    def trainer(scale):
+        with strategy.scope():
+            model = tf.keras.Sequential([tf.keras.Input((50,)), tf.keras.layers.Dense(64)])
+            optimizer = tf.keras.optimizers.SGD(0.1)
+
+        @tf.function
+        def step(seed):
+            def fn():
+                ctx = tf.distribute.get_replica_context()
+                x = tf.random.stateless_normal([8, 50], [seed, ctx.replica_id_in_sync_group])
+                with tf.GradientTape() as tape:
+                    loss = scale * tf.reduce_sum(model(x) ** 2)
+                grads = tape.gradient(loss, model.trainable_variables)
+                optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            strategy.run(fn)
+        return model, step
+
+    def train(model, step, steps=3):
+        before = [v.numpy() for v in model.trainable_variables]
+        for seed in range(steps):
+            step(tf.constant(seed))
+        return max(float(np.abs(v.numpy() - b).max())
+                   for v, b in zip(model.trainable_variables, before))
+
+    a, step_a = trainer(1.0)
+    assert train(a, step_a) > 0
+    b, step_b = trainer(0.0)
+    assert train(b, step_b) == 0.0          # nothing of a's residual
+    size = len(ops._state)                   # pylint: disable=protected-access
+    del a, step_a, b, step_b
+    c, step_c = trainer(0.0)
+    assert train(c, step_c) == 0.0
+    assert len(ops._state) == size           # pylint: disable=protected-access
+    assert train(c, step_c) == 0.0           # retraced or not, c keeps its slot
+
+
 def test_the_guard_reports_the_buckets_of_every_reduction(devices):
     """Twin reductions of one shape have buckets of their own, and the guard's count in
     `stats()` holds both."""

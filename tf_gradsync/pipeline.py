@@ -15,6 +15,7 @@ exactly where it is needed, from copies of every replica's tensor.
 from __future__ import annotations
 
 import contextlib
+import gc
 import weakref
 from typing import Iterator, Sequence
 
@@ -65,8 +66,10 @@ class Pipeline:
         self.state = state
         self.timeout = timeout
         self._plans: dict[tuple, BucketPlan] = {}
-        # Per traced graph, how many reductions of each plan it has built so far.
+        # Per traced graph, how many reductions of each plan and owner it has built so far.
         self._ordinals: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # Per plan, each state slot's (owner, ordinal in its graph), in order of first use.
+        self._slots: dict[str, list[tuple[_Owner, int]]] = {}
         # Every plan a reduction has taken (`_plan_of_call`), by fingerprint.
         self._built: dict[str, BucketPlan] = {}
         self._exchanges: dict[tuple, str] = {}   # "auto"'s choice per bucket layout
@@ -114,8 +117,9 @@ class Pipeline:
                                         "dynamic": []}
         for i, v in enumerate(values):
             groups[path_of(v, compress)].append(i)
+        optimizer = _tf_compat.calling_optimizer()
+        owner = _Owner(optimizer)
         if groups["compressed"]:
-            optimizer = _tf_compat.calling_optimizer()
             if optimizer is not None:
                 self.compressor.check_optimizer(optimizer)
             else:
@@ -128,7 +132,7 @@ class Pipeline:
                     continue
                 per_device = [[values[i].values[r] for i in idx] for r in range(n)]
                 per_dest, bytes_, dense_, errors_ = self._bucketed(
-                    compressor, reduce_op, per_device, src, dests, step, timeout)
+                    compressor, reduce_op, per_device, src, dests, step, timeout, owner)
                 sent.append(bytes_)
                 dense.append(dense_)
                 if kind == "compressed":
@@ -159,24 +163,47 @@ class Pipeline:
             self._plans[key] = plan_buckets(specs, self.bucket_bytes)
         return self._plans[key]
 
-    def _plan_of_call(self, plan: BucketPlan) -> BucketPlan:
-        """`plan` for the n-th reduction of its tensors in the graph being traced
-        (`BucketPlan.nth`): two models of one shape trained in one step (twin critics, an
-        ensemble, a GAN's two halves) reduce through state of their own, not one
-        residual or momentum for both. Graphs are traced alike on every worker and in
-        every run, so each call keeps its state across restarts; the first keeps the
-        keys of a plan alone. Eagerly, every call is the first."""
+    def _plan_of_call(self, plan: BucketPlan, owner: "_Owner", compressor: Compressor
+                      ) -> BucketPlan:
+        """`plan` for this reduction's state slot (`BucketPlan.nth`): one slot per owner
+        (the optimizer applying the gradients) and per n-th reduction of its tensors by
+        that owner in the graph being traced. Models of one shape reduce through state
+        of their own, not one residual or momentum for all: trained in one step (twin
+        critics, an ensemble, a GAN's two halves) or each in its own `fit` or function
+        on the same ops. A retraced step keeps its slots. Slots are numbered in order
+        of first use, identical on every worker and in every run, so each call keeps
+        its state across restarts; the first keeps the keys of a plan alone.
+
+        A new owner takes over the slot of an owner no longer alive (a model trained
+        and dropped before the next one, one per fold of a cross-validation), its state
+        back at its initial values: the ops' state does not grow with each model.
+        Eagerly, every call is its owner's first."""
         ordinal = 0
         if not tf.executing_eagerly():
             seen = self._ordinals.setdefault(tf.compat.v1.get_default_graph(), {})
-            ordinal = seen.get(plan.fingerprint, 0)
-            seen[plan.fingerprint] = ordinal + 1
-        plan = plan.nth(ordinal)
+            ordinal = seen.get((plan.fingerprint, owner), 0)
+            seen[(plan.fingerprint, owner)] = ordinal + 1
+        slots = self._slots.setdefault(plan.fingerprint, [])
+        if (owner, ordinal) in slots:
+            slot = slots.index((owner, ordinal))
+        else:
+            if slots:
+                gc.collect()    # Keras models and optimizers hold reference cycles
+            dead = [i for i, (o, _) in enumerate(slots) if o.dead()]
+            if dead:
+                slot = dead[0]
+                slots[slot] = (owner, ordinal)
+                self.state.reset(_state_prefix(compressor, plan.nth(slot)))
+            else:
+                slot = len(slots)
+                slots.append((owner, ordinal))
+        plan = plan.nth(slot)
         self._built.setdefault(plan.fingerprint, plan)
         return plan
 
     def _bucketed(self, compressor: Compressor, reduce_op, per_device: list[list[tf.Tensor]],
-                  src: tuple[str, ...], dests: tuple[str, ...], step: tf.Tensor, timeout: float):
+                  src: tuple[str, ...], dests: tuple[str, ...], step: tf.Tensor, timeout: float,
+                  owner: "_Owner"):
         """Reduces one group of dense values bucket by bucket.
 
         Returns:
@@ -186,7 +213,8 @@ class Pipeline:
         """
         n = len(src)
         total = n * self.num_workers
-        plan = self._plan_of_call(self.plan([(t.shape, t.dtype) for t in per_device[0]]))
+        plan = self._plan_of_call(self.plan([(t.shape, t.dtype) for t in per_device[0]]),
+                                  owner, compressor)
         flats = []
         for r, d in enumerate(src):
             with tf.device(d), tf.name_scope("pack"):
@@ -298,6 +326,25 @@ class Pipeline:
             state[name] = self.state.variable(
                 key, lambda spec=spec: spec.initializer(spec.shape, spec.dtype), device)
         return state
+
+
+class _Owner:
+    """Whose reduction it is: the optimizer applying the gradients, held weakly, or no
+    one (values all-reduced by hand), who never dies. Equal when the optimizer is."""
+
+    def __init__(self, optimizer):
+        self._ref = None if optimizer is None else weakref.ref(optimizer)
+        self._id = None if optimizer is None else id(optimizer)
+
+    def dead(self) -> bool:
+        return self._ref is not None and self._ref() is None
+
+    def __eq__(self, other) -> bool:
+        return (isinstance(other, _Owner) and self._id == other._id
+                and not self.dead() and not other.dead())
+
+    def __hash__(self) -> int:
+        return hash(self._id)
 
 
 def _state_prefix(compressor: Compressor, plan: BucketPlan) -> str:

@@ -26,11 +26,12 @@ from tf_gradsync import _tf_compat
 
 
 class _Pending:
-    """Loaded values waiting for their variables. A plain holder, so tf.Module does not
-    track (and checkpoint) the numpy arrays."""
+    """Loaded values waiting for their variables, and each variable's initial value. A
+    plain holder, so tf.Module does not track (and checkpoint) them."""
 
     def __init__(self):
         self.values: dict[str, np.ndarray] = {}
+        self.initial: dict[str, Callable[[], tf.Tensor]] = {}
         self.sealed: set[str] = set()      # key prefixes whose variables all exist
         self.named: set[str] = set()       # keys a warning named as of another plan
 
@@ -73,7 +74,16 @@ class SyncState(tf.Module):
                 if key in self._pending.values:
                     _assign(var, key, self._pending.values.pop(key))
                 self._variables[key] = var
+                self._pending.initial[key] = initial_value
         return self._variables[key]
+
+    def reset(self, prefix: str) -> None:
+        """Puts every variable whose key starts with `prefix` back at its initial value
+        (state handed to a new owner), eagerly, even while a function is traced."""
+        with tf.init_scope():
+            for key, var in self._variables.items():
+                if key.startswith(prefix):
+                    var.assign(self._pending.initial[key]())
 
     def get(self, key: str) -> tf.Variable | None:
         """The variable `key`, or None before it is created."""
