@@ -673,10 +673,44 @@ def test_indexed_slices_across_workers_travel_in_the_wire_dtype(devices, compres
                                        rtol=0 if wire == tf.float32 else 2 ** -7)
 
 
+@pytest.mark.parametrize("name,algorithm", [("none", "ring"), ("fp16", "collective"),
+                                            ("topk", "ring")])
+def test_gradients_handed_to_another_function_reduce_on_the_strategys_devices(
+        devices, name, algorithm):
+    """Gradients computed in one traced function and applied in another (manual
+    gradient accumulation) arrive there as placeholders without devices: they are
+    placed on the strategy's devices, in replica order, and reduce as TensorFlow's own
+    ops reduce them."""
+    ops = gs.CompressedAllReduce(name, algorithm=algorithm, timeout_seconds=60)
+    strategy = tf.distribute.MirroredStrategy(devices[:2], cross_device_ops=ops)
+    with strategy.scope():
+        w = tf.Variable(tf.zeros([4]))
+        optimizer = tf.keras.optimizers.SGD(1.0)
+        optimizer.build([w])
+
+    @tf.function
+    def compute():
+        return strategy.run(lambda: tf.constant([1.0, 2.0, 4.0, 8.0]) * tf.cast(
+            tf.distribute.get_replica_context().replica_id_in_sync_group + 1, tf.float32))
+
+    @tf.function
+    def apply(grads):
+        strategy.run(lambda g: optimizer.apply_gradients([(g, w)]), args=(grads,))
+
+    apply(compute())
+    want = -3.0 * np.array([1.0, 2.0, 4.0, 8.0])       # replicas 1 and 2 summed
+    if name == "topk":                                   # 1% of 4 entries: the largest
+        want = np.where(np.arange(4) == 3, want, 0.0)
+    for v in strategy.experimental_local_results(w):
+        np.testing.assert_allclose(v.numpy(), want)
+    assert ops.stats()["steps"] == 1
+
+
 def test_values_without_devices_are_refused_rather_than_left_waiting(devices):
     """Per-replica values handed to a tf.function as arguments arrive as placeholders
     without devices; every replica's collective would land on one unnamed device and
-    wait for the others forever. The reduction refuses them, naming the devices."""
+    wait for the others forever. Outside a strategy of as many devices, the reduction
+    refuses them, naming the devices."""
     ops = gs.CompressedAllReduce("fp16", algorithm="collective", timeout_seconds=30)
     strategy = tf.distribute.MirroredStrategy(devices[:2], cross_device_ops=ops)
     value = per_replica(strategy, (4,), tf.float32, 0)

@@ -293,9 +293,17 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
         # Pairs that share sources and destinations are synchronised together (one
         # bucket plan); values on other device sets get their own reduction.
         groups: dict[tuple, list[int]] = {}
-        values = [_tf_compat.to_per_replica(value) for value, _ in pairs]
-        for i, (value, (_, dest)) in enumerate(zip(values, pairs)):
-            key = (tuple(value._devices), _tf_compat.devices_of(dest))  # pylint: disable=protected-access
+        values, keys = [], []
+        for value, dest in pairs:
+            value = _tf_compat.to_per_replica(value)
+            unplaced = tuple(value._devices)  # pylint: disable=protected-access
+            value = _placed(value)
+            dests = _tf_compat.devices_of(dest)
+            if dests == unplaced:     # reduced onto themselves (Keras 3's all-reduce)
+                dests = tuple(value._devices)  # pylint: disable=protected-access
+            values.append(value)
+            keys.append((tuple(value._devices), dests))  # pylint: disable=protected-access
+        for i, key in enumerate(keys):
             groups.setdefault(key, []).append(i)
         results: list = [None] * len(pairs)
         for (_, dests), idx in groups.items():
@@ -304,6 +312,28 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
             for i, per_dest in zip(idx, reduced):
                 results[i] = _tf_compat.regroup_mirrored(per_dest)
         return results
+
+
+def _placed(value):
+    """`value` with each replica's tensor on that replica's device. Per-replica values
+    handed to a `tf.function` as arguments (gradients computed in one function and
+    applied in another) arrive as placeholders without devices: they are placed on the
+    current strategy's devices, in replica order, as identities (no copy on their own
+    device). Values that carry their devices, or whose count is not the strategy's,
+    are left as they are."""
+    devices = tuple(value._devices)  # pylint: disable=protected-access
+    if len(devices) < 2 or "" not in devices or not tf.distribute.has_strategy():
+        return value
+    known = tuple(tf.distribute.get_strategy().extended.worker_devices)
+    if len(known) != len(devices):
+        return value
+    out = []
+    for t, d in zip(value.values, known):
+        with tf.device(d):
+            out.append(tf.IndexedSlices(tf.identity(t.values), tf.identity(t.indices),
+                                        t.dense_shape)
+                       if isinstance(t, tf.IndexedSlices) else tf.identity(t))
+    return _tf_compat.per_replica(out)
 
 
 def _cast_slices(slices, dtype: tf.DType) -> list:
