@@ -211,6 +211,23 @@ def test_a_fit_that_raises_keeps_its_rows_and_the_monitor_starts_clean_again(tmp
         assert [r["kind"] for r in csv.DictReader(f)] == ["batch"] * 4 + ["epoch"]
 
 
+def test_a_strategy_of_one_device_is_said_to_send_nothing():
+    """With one device TensorFlow never calls the cross-device ops: the monitor says so
+    once, instead of rows of zeros that read as perfect compression."""
+    ops = gs.CompressedAllReduce("fp16")
+    strategy = tf.distribute.MirroredStrategy(DEVICES[:1], cross_device_ops=ops)
+    with strategy.scope():
+        model = tf.keras.Sequential([tf.keras.Input((8,)), tf.keras.layers.Dense(4)])
+        model.compile(tf.keras.optimizers.SGD(0.01), "mse")
+    x, y = _data()
+    with pytest.warns(UserWarning, match=r"no gradients went through CompressedAllReduce\(Float16"
+                                         r".*a strategy of one device") as caught:
+        model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0,
+                  callbacks=[CommunicationMonitor(ops)])
+    assert sum("no gradients went through" in str(w.message) for w in caught) == 1
+    assert ops.stats()["steps"] == 0
+
+
 def test_steps_per_execution_gives_per_step_bytes(tmp_path):
     path = tmp_path / "spe.jsonl"
     run = _fit("fp16", {"jsonl_path": str(path)}, n=80, epochs=1, steps_per_execution=2)

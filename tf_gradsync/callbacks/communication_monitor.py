@@ -6,6 +6,7 @@ import csv
 import importlib.util
 import os
 import time
+import warnings
 
 import tensorflow as tf
 
@@ -113,6 +114,7 @@ class CommunicationMonitor(tf.keras.callbacks.Callback):
         self._t0 = time.perf_counter()
         self._warm = False
         self._epoch, self._records = 0, []
+        self._epoch_steps, self._idle = self.ops.stats()["steps"], False
         strategy = self.strategy or getattr(self.model, "distribute_strategy", None)
         self.is_chief = _common.is_chief(strategy)
         if not self.is_chief:
@@ -130,6 +132,7 @@ class CommunicationMonitor(tf.keras.callbacks.Callback):
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch, self._records = epoch, []
+        self._epoch_steps = self.ops.stats()["steps"]
 
     def on_train_batch_begin(self, batch, logs=None):
         self._batch_begin, self._t_batch = batch, time.perf_counter()
@@ -147,6 +150,14 @@ class CommunicationMonitor(tf.keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         logs = {} if logs is None else logs
+        if self._records and self.ops.stats()["steps"] == self._epoch_steps and not self._idle:
+            # Zeros in every column would read as perfect compression.
+            self._idle = True
+            warnings.warn(f"CommunicationMonitor: no gradients went through {self.ops!r} in "
+                          "this epoch: a strategy of one device never calls its cross-device "
+                          "ops, so nothing is compressed or counted (split a CPU with "
+                          "tf_gradsync.logical_cpus(N), or train on several devices)",
+                          stacklevel=2)
         rec = _common.summarise(self._records, self._meter.total_sent())
         known = self._records and self._records[-1]["samples_per_sec"] is not None
         logs.update({k: rec[k] for k in _common.EPOCH_KEYS
