@@ -798,9 +798,29 @@ def test_adapt_optimizer_scales_the_rate_and_drops_the_first_moment():
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             dense.compressor.check_optimizer(short_sgdm)
-    schedule = tf.keras.optimizers.schedules.ExponentialDecay(1e-3, 100, 0.9)
-    with pytest.raises(ValueError, match=r"4.64x its learning rate.*not a number.*beta_1"):
-        ops.adapt_optimizer(tf.keras.optimizers.Adam(schedule))
+    # Keras' own schedules: every step's rate scaled, the schedule kept.
+    factor = 100 ** (1 / 3)
+    schedules = tf.keras.optimizers.schedules
+    for schedule in (schedules.ExponentialDecay(1e-3, 100, 0.9),
+                     schedules.CosineDecay(1e-4, 100, warmup_target=1e-3, warmup_steps=10),
+                     schedules.PiecewiseConstantDecay([10], [1e-3, 1e-4]),
+                     schedules.PolynomialDecay(1e-3, 100, end_learning_rate=1e-5)):
+        adapted = ops.adapt_optimizer(tf.keras.optimizers.Adam(schedule))
+        scaled = adapted._learning_rate                   # pylint: disable=protected-access
+        assert type(scaled) is type(schedule)
+        for step in (0, 5, 50, 150):
+            assert float(scaled(step)) == pytest.approx(factor * float(schedule(step)))
+        assert adapted.get_config()["beta_1"] == 0.0
+
+    class Halving(tf.keras.optimizers.schedules.LearningRateSchedule):
+        def __call__(self, step):
+            return 1e-3 * 0.5 ** tf.cast(step, tf.float32)
+
+        def get_config(self):
+            return {}
+    with pytest.raises(ValueError, match=r"4.64x its learning rate.*neither a number nor one "
+                                         r"of Keras' schedules.*beta_1"):
+        ops.adapt_optimizer(tf.keras.optimizers.Adam(Halving()))
 
 
 def test_a_loss_scale_wrapper_is_seen_through():
@@ -837,6 +857,9 @@ def test_adapt_optimizer_under_tf_keras():
               "o = gs.CompressedAllReduce('topk').adapt_optimizer(tf.keras.optimizers.Adam(1e-3))\n"
               "c = o.get_config()\n"
               "print('RESULT', type(o).__module__, c['learning_rate'], c['beta_1'])\n"
+              "s = tf.keras.optimizers.schedules.ExponentialDecay(1e-3, 100, 0.5)\n"
+              "d = gs.CompressedAllReduce('topk').adapt_optimizer(tf.keras.optimizers.Adam(s))\n"
+              "print('SCHEDULE', float(d._learning_rate(0)), d.get_config()['beta_1'])\n"
               "w = tf.keras.mixed_precision.LossScaleOptimizer(tf.keras.optimizers.Adam(1e-3))\n"
               "a = gs.CompressedAllReduce('topk').adapt_optimizer(w)\n"
               "i = a.inner_optimizer.get_config()\n"
@@ -846,6 +869,8 @@ def test_adapt_optimizer_under_tf_keras():
     assert module.startswith("tf_keras")
     assert float(lr) == pytest.approx(1e-3 * 100 ** (1 / 3))
     assert float(beta_1) == 0.0
+    lr, beta_1 = _tf_keras.lines(stdout, "SCHEDULE")[-1]
+    assert float(lr) == pytest.approx(1e-3 * 100 ** (1 / 3)) and float(beta_1) == 0.0
     name, lr, beta_1 = _tf_keras.lines(stdout, "WRAPPED")[-1]
     assert name.startswith("LossScaleOptimizer")
     assert float(lr) == pytest.approx(1e-3 * 100 ** (1 / 3)) and float(beta_1) == 0.0

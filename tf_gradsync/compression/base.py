@@ -582,9 +582,10 @@ class Compressor(abc.ABC):
           An optimizer of the same class, or `optimizer` when nothing changes.
 
         Raises:
-          ValueError: for a learning rate that is not a number (a schedule: scale its
-            rates yourself), or an optimizer this compressor cannot train with even
-            adapted (`check_optimizer`: dgc under Adam).
+          ValueError: for a learning rate that is neither a number nor one of Keras'
+            schedules (whose rates are scaled: ExponentialDecay, CosineDecay, ...), or an
+            optimizer this compressor cannot train with even adapted
+            (`check_optimizer`: dgc under Adam).
 
         Example:
           >>> ops = tf_gradsync.CompressedAllReduce("topk")
@@ -609,13 +610,15 @@ class Compressor(abc.ABC):
         adapted = optimizer
         if factor != 1 or changes:
             config = optimizer_config(optimizer)
-            lr = config.get("learning_rate")
-            if not _number(lr):
+            lr = _scaled_rate(config.get("learning_rate"), factor)
+            if lr is None:
                 raise ValueError(
                     f"{self!r} trains {type(optimizer).__name__} at {factor:.3g}x its "
-                    f"learning rate with {changes}, but the rate is {lr!r}, not a number: "
-                    f"multiply a schedule's rates by {factor:.3g} and set {changes} yourself")
-            config.update(changes, learning_rate=float(lr) * factor)
+                    f"learning rate with {changes}, but the rate is "
+                    f"{config.get('learning_rate')!r}, neither a number nor one of Keras' "
+                    f"schedules ({', '.join(_SCHEDULE_RATES)}): multiply its rates by "
+                    f"{factor:.3g} and set {changes} yourself")
+            config.update(changes, learning_rate=lr)
             adapted = type(optimizer).from_config(config)
             setattr(adapted, _ADAPTED, True)
         # What the first step would refuse (dgc under Adam) is refused here, before a
@@ -761,6 +764,37 @@ class Wrapper(Compressor):
 #: Optimizer settings of a running mean square the update is divided by: Adam's kin
 #: (beta_2), RMSprop and Adadelta (rho), Adagrad (its accumulator).
 _MEAN_SQUARE = ("beta_2", "rho", "initial_accumulator_value")
+
+
+#: Keras' own learning-rate schedules (Keras 3 and tf_keras), each with the settings
+#: that are rates: the schedule is linear in them, so scaling them scales every step's
+#: rate. The others (decay rates, steps, `alpha`) are factors or counts.
+_SCHEDULE_RATES = {
+    "ExponentialDecay": ("initial_learning_rate",),
+    "InverseTimeDecay": ("initial_learning_rate",),
+    "PolynomialDecay": ("initial_learning_rate", "end_learning_rate"),
+    "PiecewiseConstantDecay": ("values",),
+    "CosineDecay": ("initial_learning_rate", "warmup_target"),
+    "CosineDecayRestarts": ("initial_learning_rate",),
+}
+
+
+def _scaled_rate(rate: Any, factor: float) -> Any:
+    """An optimizer config's `learning_rate` times `factor`: a number, or a serialized
+    Keras schedule (`_SCHEDULE_RATES`) with its rates scaled; None for anything else."""
+    if _number(rate):
+        return float(rate) * factor
+    if not (isinstance(rate, dict) and rate.get("class_name") in _SCHEDULE_RATES
+            and isinstance(rate.get("config"), dict)):
+        return None
+    config = dict(rate["config"])
+    for key in _SCHEDULE_RATES[rate["class_name"]]:
+        value = config.get(key)
+        if isinstance(value, (list, tuple)):
+            config[key] = [float(v) * factor for v in value]
+        elif _number(value):
+            config[key] = float(value) * factor
+    return dict(rate, config=config)
 
 
 def _number(value: Any) -> bool:
