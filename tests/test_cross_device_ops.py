@@ -230,6 +230,53 @@ def test_models_of_one_shape_in_their_own_functions_keep_their_own_state(devices
     assert train(c, step_c) == 0.0           # retraced or not, c keeps its slot
 
 
+def test_a_restored_model_after_a_dropped_one_keeps_the_restored_state(devices, tmp_path):
+    """A model built after another was dropped, then restored from a checkpoint (its
+    optimizer has taken steps), takes over the dropped one's slot with the state the
+    restore wrote; only a fresh optimizer starts it afresh."""
+    ops = gs.CompressedAllReduce("topk")
+    strategy = tf.distribute.MirroredStrategy(devices, cross_device_ops=ops)
+
+    def build():
+        with strategy.scope():
+            model = tf.keras.Sequential([tf.keras.Input((50,)), tf.keras.layers.Dense(64)])
+            optimizer = tf.keras.optimizers.SGD(0.1)
+            optimizer.build(model.trainable_variables)
+
+        @tf.function
+        def step():
+            def fn():
+                x = tf.random.stateless_normal(
+                    [8, 50], [0, tf.distribute.get_replica_context().replica_id_in_sync_group])
+                with tf.GradientTape() as tape:
+                    loss = tf.reduce_sum(model(x) ** 2)
+                grads = tape.gradient(loss, model.trainable_variables)
+                optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            strategy.run(fn)
+        return model, optimizer, step
+
+    def residuals():
+        return {k: v for k, v in ops._state.values().items()   # pylint: disable=protected-access
+                if "residual" in k}
+
+    model, optimizer, step = build()
+    for _ in range(3):
+        step()
+    path = tf.train.Checkpoint(model=model, optimizer=optimizer, gradsync=ops).write(
+        str(tmp_path / "ckpt"))
+    saved = residuals()
+    assert saved and any(v.any() for v in saved.values())
+    step()                                   # the state moves on past the checkpoint
+    del model, optimizer, step
+    model, optimizer, step = build()
+    tf.train.Checkpoint(model=model, optimizer=optimizer, gradsync=ops).restore(path)
+    step.get_concrete_function()             # traced: the slot taken over, not run
+    restored = residuals()
+    assert restored.keys() == saved.keys()
+    for key, value in saved.items():
+        np.testing.assert_array_equal(restored[key], value)
+
+
 def test_the_guard_reports_the_buckets_of_every_reduction(devices):
     """Twin reductions of one shape have buckets of their own, and the guard's count in
     `stats()` holds both."""
@@ -349,6 +396,10 @@ def test_reset_stats_leaves_the_compressors_schedules_running(devices):
     assert ops.stats()["bytes_sent"] == 3 * sent[3]
     ops.start_at_step(100)
     assert ops.stats()["steps"] == 100
+    ops.reset_stats()
+    # A counter restored from before the reset (an older checkpoint) counts whole.
+    ops._state.assign({"stats_steps": 40})  # pylint: disable=protected-access
+    assert ops.stats()["steps"] == 40
 
 
 def _crossing_edges(graph):

@@ -100,9 +100,9 @@ class Pipeline:
             # Values handed to a tf.function as arguments arrive as placeholders without a
             # device; the replicas' collectives would then wait for one another forever.
             raise ValueError(
-                f"each replica's value must carry its device, got devices {src}: "
-                "pass per-replica values that carry their devices (built inside "
-                "strategy.run, or captured by the function rather than passed to it)")
+                f"each replica's value must carry its device, got devices {src}: reduce "
+                "per-replica values passed to a function under the strategy whose devices "
+                "they came from, or capture them in the function rather than pass them")
         dests = tuple(destinations)
         n = len(src)
         if self.num_workers > 1 and (not compress or dests != src):
@@ -117,7 +117,10 @@ class Pipeline:
                                         "dynamic": []}
         for i, v in enumerate(values):
             groups[path_of(v, compress)].append(i)
-        optimizer = _tf_compat.calling_optimizer()
+        # The optimizer applying the gradients (a walk over every thread's frames, made
+        # only for what is bucketed) owns the state they reduce through.
+        optimizer = (_tf_compat.calling_optimizer() if groups["compressed"] or groups["exact"]
+                     else None)
         owner = _Owner(optimizer)
         if groups["compressed"]:
             if optimizer is not None:
@@ -171,13 +174,18 @@ class Pipeline:
         of their own, not one residual or momentum for all: trained in one step (twin
         critics, an ensemble, a GAN's two halves) or each in its own `fit` or function
         on the same ops. A retraced step keeps its slots. Slots are numbered in order
-        of first use, identical on every worker and in every run, so each call keeps
-        its state across restarts; the first keeps the keys of a plan alone.
+        of first use: a program that traces its steps in the same order keeps each
+        call's state across restarts, and the first keeps the keys of a plan alone.
 
-        A new owner takes over the slot of an owner no longer alive (a model trained
-        and dropped before the next one, one per fold of a cross-validation), its state
-        back at its initial values: the ops' state does not grow with each model.
-        Eagerly, every call is its owner's first."""
+        In one process, a new owner takes over the slot of an owner no longer alive (a
+        model trained and dropped before the next one, one per fold of a
+        cross-validation): the ops' state does not grow with each model. A fresh
+        optimizer (no step taken) starts it from its initial values; one that has
+        taken steps (restored from a checkpoint) keeps what the slot holds, which a
+        restore of the compression state wrote. A function still holding the dropped
+        owner's step must not run again. Across workers, whose owners may live on
+        differently, a new owner always takes a slot of its own, so that every worker
+        picks the same. Eagerly, every call is its owner's first."""
         ordinal = 0
         if not tf.executing_eagerly():
             seen = self._ordinals.setdefault(tf.compat.v1.get_default_graph(), {})
@@ -187,19 +195,25 @@ class Pipeline:
         if (owner, ordinal) in slots:
             slot = slots.index((owner, ordinal))
         else:
-            if slots:
-                gc.collect()    # Keras models and optimizers hold reference cycles
-            dead = [i for i, (o, _) in enumerate(slots) if o.dead()]
-            if dead:
-                slot = dead[0]
-                slots[slot] = (owner, ordinal)
-                self.state.reset(_state_prefix(compressor, plan.nth(slot)))
-            else:
+            slot = self._dead_slot(slots) if self.num_workers == 1 else None
+            if slot is None:
                 slot = len(slots)
                 slots.append((owner, ordinal))
+            else:
+                slots[slot] = (owner, ordinal)
+                if owner.fresh():
+                    self.state.reset(_state_prefix(compressor, plan.nth(slot)))
         plan = plan.nth(slot)
         self._built.setdefault(plan.fingerprint, plan)
         return plan
+
+    @staticmethod
+    def _dead_slot(slots: list[tuple["_Owner", int]]) -> int | None:
+        """The first slot whose owner (an optimizer) is no longer alive, or None."""
+        if not any(o.mortal for o, _ in slots):
+            return None
+        gc.collect()        # Keras models and optimizers hold reference cycles
+        return next((i for i, (o, _) in enumerate(slots) if o.dead()), None)
 
     def _bucketed(self, compressor: Compressor, reduce_op, per_device: list[list[tf.Tensor]],
                   src: tuple[str, ...], dests: tuple[str, ...], step: tf.Tensor, timeout: float,
@@ -330,14 +344,25 @@ class Pipeline:
 
 class _Owner:
     """Whose reduction it is: the optimizer applying the gradients, held weakly, or no
-    one (values all-reduced by hand), who never dies. Equal when the optimizer is."""
+    one (values all-reduced by hand), who never dies. Equal when the optimizer is, and
+    while it lives (a dead owner equals nothing, itself included)."""
 
     def __init__(self, optimizer):
         self._ref = None if optimizer is None else weakref.ref(optimizer)
         self._id = None if optimizer is None else id(optimizer)
+        self.mortal = optimizer is not None
 
     def dead(self) -> bool:
         return self._ref is not None and self._ref() is None
+
+    def fresh(self) -> bool:
+        """Whether the optimizer has taken no step yet (it has no iteration count: no)."""
+        optimizer = None if self._ref is None else self._ref()
+        iterations = getattr(optimizer, "iterations", None)
+        if iterations is None:
+            return False
+        with tf.init_scope():
+            return int(iterations.numpy()) == 0
 
     def __eq__(self, other) -> bool:
         return (isinstance(other, _Owner) and self._id == other._id

@@ -79,11 +79,15 @@ class SyncState(tf.Module):
 
     def reset(self, prefix: str) -> None:
         """Puts every variable whose key starts with `prefix` back at its initial value
-        (state handed to a new owner), eagerly, even while a function is traced."""
+        (state handed to a new owner), eagerly, even while a function is traced, and
+        drops loaded values under it that wait for a variable."""
         with tf.init_scope():
             for key, var in self._variables.items():
                 if key.startswith(prefix):
-                    var.assign(self._pending.initial[key]())
+                    with tf.device(var.device):     # built where it lives, not copied
+                        var.assign(self._pending.initial[key]())
+        for key in [k for k in self._pending.values if k.startswith(prefix)]:
+            del self._pending.values[key]
 
     def get(self, key: str) -> tf.Variable | None:
         """The variable `key`, or None before it is created."""
