@@ -104,6 +104,24 @@ def test_a_signal_is_forwarded_as_it_came(tmp_path, sig):
             os.kill(pid, 0)
 
 
+def test_a_signal_the_launcher_ignores_stays_ignored(tmp_path):
+    """Under `nohup` (SIGHUP ignored) a closed terminal stops nothing."""
+    script = tmp_path / "w.py"
+    script.write_text("import time\nprint('up', flush=True)\ntime.sleep(600)\n")
+    proc = subprocess.Popen([sys.executable, "-m", "tf_gradsync.launch", "--num_workers=2",
+                             "--grace_seconds=1", "--", str(script)], env=ENV,
+                            stdout=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    seen = 0
+    while seen < 2:
+        seen += "up" in proc.stdout.readline()
+    proc.send_signal(signal.SIGHUP)
+    with pytest.raises(subprocess.TimeoutExpired):
+        proc.wait(timeout=3)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+
+
 def test_a_port_in_use_is_named_before_any_worker_starts(tmp_path):
     script = tmp_path / "w.py"
     script.write_text("print('started', flush=True)")
@@ -111,9 +129,9 @@ def test_a_port_in_use_is_named_before_any_worker_starts(tmp_path):
         held.bind(("127.0.0.1", 0))
         held.listen(1)
         port = held.getsockname()[1]
-        out = run(["--num_workers=2", f"--port={port - 1}", "--", str(script)])
+        out = run(["--num_workers=1", f"--port={port}", "--", str(script)])
     assert out.returncode == 2
-    assert f"port(s) {port} on 127.0.0.1 are in use" in out.stderr, out.stderr
+    assert f"port(s) {port} of this machine are in use" in out.stderr, out.stderr
     assert "started" not in out.stdout
 
 

@@ -256,6 +256,10 @@ def test_auto_prices_wire_and_codec_of_both_exchanges(name, first):
             == "two_phase"
     assert gs.CompressedAllReduce(name, exchange="gather").bucket_exchange(layout, 8) == "gather"
     assert gs.CompressedAllReduce("fp16").bucket_exchange(layout, 8) == "all-reduce"
+    # A guard watches whole buckets: gathered, whatever two phases would cost.
+    guarded = gs.CompressedAllReduce(name, guard=True)
+    assert costmodel.choose_exchange(guarded.compressor, layout, 8) == "gather"
+    assert guarded.bucket_exchange(layout, 8) == "gather"
 
 
 def test_two_phases_put_two_nths_of_a_gather_on_the_wire():

@@ -245,8 +245,9 @@ def predict(compressor: Compressor | str, payloads: Sequence[BucketPayload], exc
 
 def choose_exchange(compressor: Compressor, layout: Layout, members: int,
                     jit_compile: bool = True, link: Link = Link()) -> str:
-    """"gather" or "two_phase" for one bucket whose payloads cannot be summed: the
-    cheaper as `predict` prices them, wire and codec, on `link` (by default 50 us per
+    """"gather" or "two_phase" for one bucket whose payloads cannot be summed ("gather"
+    for a compressor whose payload cannot be cut, `splittable`): the cheaper as
+    `predict` prices them, wire and codec, on `link` (by default 50 us per
     message and 1 Gbit/s) at the compressor's default codec rate (`THROUGHPUT`).
 
     The codec matters as much as the bytes: two phases re-compress each owner's chunk
@@ -262,6 +263,8 @@ def choose_exchange(compressor: Compressor, layout: Layout, members: int,
       jit_compile: whether decodings compile (`CompressedAllReduce`'s setting).
       link: the link priced.
     """
+    if not compressor.splittable:
+        return "gather"
     payload = bucket_payload(compressor, layout, members)
     rate = THROUGHPUT.get(compressor.codec().name, DEFAULT_THROUGHPUT)
     price = {ex: predict(compressor, [payload], ex, members, link, 0.0, rate,

@@ -73,15 +73,15 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
             s.close()
 
 
-def ports_in_use(ports: Sequence[int], host: str = "127.0.0.1") -> list[int]:
-    """Those of `ports` that a server cannot listen on at `host` now (probed as gRPC
-    binds, with SO_REUSEADDR)."""
+def ports_in_use(ports: Sequence[int], host: str = "") -> list[int]:
+    """Those of `ports` that a server cannot listen on at `host` now (by default every
+    interface, where TensorFlow's gRPC server listens; with SO_REUSEADDR, as it binds)."""
     busy = []
     for port in ports:
         with socket.socket() as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
-                s.bind((host, port))
+                s.bind((host, port))      # "" (every interface) as gRPC's server binds
                 s.listen(1)
             except OSError:
                 busy.append(port)
@@ -233,7 +233,12 @@ class Job:
         for raw in iter(proc.stdout.readline, b""):
             line = raw.decode(errors="replace").rstrip("\n")
             with self._lock:
-                print(f"[{rank}] {line}", file=self._out, flush=True)
+                try:
+                    print(f"[{rank}] {line}", file=self._out, flush=True)
+                except (OSError, ValueError):
+                    # The terminal is gone (SIGHUP): drain on, so that no worker blocks
+                    # on a full pipe.
+                    pass
 
     def wait(self, timeout: float | None = None) -> int:
         """Waits until all workers exit 0 (-> 0) or one fails (-> its code, others stopped).
@@ -308,8 +313,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     busy = ports_in_use(local)
     if busy:
         # TensorFlow's own error would name no port.
-        print(f"[launch] --port={args.port}: port(s) {', '.join(map(str, busy))} on "
-              "127.0.0.1 are in use; pick another --port or leave it out (free ports)",
+        print(f"[launch] --port={args.port}: port(s) {', '.join(map(str, busy))} of this "
+              "machine are in use; pick another --port or leave it out (free ports)",
               file=sys.stderr, flush=True)
         return 2
     job: Job | None = None
@@ -319,8 +324,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         received.append(signum)
         if job is not None:
             job.stop(signum)
+    # A signal this process ignores stays ignored (`nohup` ignores SIGHUP, a shell
+    # SIGINT for a background job): the workers go on when it comes.
     old = {s: signal.signal(s, forward)
-           for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)}
+           for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+           if signal.getsignal(s) is not signal.SIG_IGN}
     try:
         for attempt in range(args.restarts + 1):
             # Free ports are probed again for every attempt: the previous attempt's may

@@ -100,7 +100,9 @@ class Stats:
         """
         self._ensure()
         out = {f: int(self._vars[f].numpy()) for f in self._FIELDS}
-        out["steps"] -= int(self._vars["steps_base"].numpy())
+        base = int(self._vars["steps_base"].numpy())
+        # A counter restored from before the reset (an older checkpoint) counts whole.
+        out["steps"] -= base if out["steps"] >= base else 0
         err, norm = (float(self._vars[f].numpy()) for f in self._ERROR_FIELDS)
         out["comm_error"] = (err / norm) ** 0.5 if norm > 0 else 0.0
         out["compression_ratio"] = (out["bytes_dense"] / out["bytes_sent"]
