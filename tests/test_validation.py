@@ -278,7 +278,7 @@ def test_good_tf_configs_pass():
 # ------------------------------------------------------------ launcher flags
 @pytest.mark.parametrize("args,needles", [
     (["--num_workers=abc"], ["'abc'", "int"]),
-    (["--num_workers=2", "--port=0"], ["got 0", "1..65533"]),
+    (["--num_workers=2", "--port=0"], ["got 0", "1..65534"]),
     (["--num_workers=2", "--grace_seconds=nan"], ["got nan", "finite number > 0"]),
     (["--num_workers=2", "--grace_seconds=inf"], ["got inf", "finite number > 0"]),
     (["--num_workers=2", "--restarts=-1"], ["got -1", ">= 0"]),
