@@ -309,6 +309,25 @@ def test_dgc_warns_once_when_no_optimizer_can_be_checked(devices):
             lambda: tf.distribute.get_replica_context().all_reduce(SUM, [tf.ones([4, 3])])))()
 
 
+def test_dgc_says_once_that_embedding_gradients_get_none_of_its_momentum(devices):
+    """Embedding gradients (IndexedSlices) go around the compressor: under DGC, whose
+    adapted optimizer has no momentum, they would train without any, silently."""
+    def step(ops):
+        strategy = tf.distribute.MirroredStrategy(devices, cross_device_ops=ops)
+        return tf.function(lambda: strategy.run(
+            lambda: tf.distribute.get_replica_context().all_reduce(
+                SUM, [tf.IndexedSlices(tf.ones([2, 3]), tf.constant([0, 4]),
+                                       tf.constant([10, 3])), tf.ones([40, 30])])))
+    dgc = step(gs.CompressedAllReduce("dgc"))
+    with pytest.warns(UserWarning, match=r"embedding gradients \(IndexedSlices\).*get none.*"
+                                         r"use topk"):
+        dgc()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        dgc()                                # once
+        step(gs.CompressedAllReduce("topk", error_feedback=True))()
+
+
 def test_a_scalar_reduced_by_hand_is_exact_and_counts_no_step(devices):
     """The loss all-reduced besides the gradients (a habit from Horovod): exact, and not
     a step, so it neither moves `warmup_steps` on nor replaces the last step's stats."""
@@ -541,6 +560,19 @@ def test_bucket_of_zero_size_tensors_is_not_exchanged(name, devices):
     for t in strategy.experimental_local_results(empty):
         assert t.shape == (0, 3)
     assert np.isfinite(strategy.experimental_local_results(ones)[0].numpy()).all()
+
+
+def test_an_integer_mean_of_zero_size_tensors_is_a_float_as_tensorflows(devices):
+    """A bucket of zero-size tensors skips the exchange but not the reduction's dtype:
+    an integer mean comes back float64, as TensorFlow's own ops give it."""
+    ops = gs.CompressedAllReduce("none", bucket_bytes=4)
+    strategy = tf.distribute.MirroredStrategy(devices, cross_device_ops=ops)
+    values = [strategy.experimental_distribute_values_from_function(
+        lambda ctx, shape=shape: tf.ones(shape, tf.int64)) for shape in ([0], [3])]
+    got = ops.batch_reduce(MEAN, [(v, v) for v in values])
+    want = tf.distribute.ReductionToOneDevice().batch_reduce(MEAN, [(v, v) for v in values])
+    assert [g.values[0].dtype for g in got] == [w.values[0].dtype for w in want] \
+        == [tf.float64, tf.float64]
 
 
 @pytest.mark.parametrize("name", ["fp16", "topk"])

@@ -127,6 +127,8 @@ class Pipeline:
                 self.compressor.check_optimizer(optimizer)
             else:
                 self.compressor.optimizer_unseen()
+        if compress and groups["sparse"]:
+            self.compressor.sparse_unseen()
 
         with tf.name_scope(SCOPE):
             for kind, compressor in (("compressed", self.compressor), ("exact", self._exact)):
@@ -241,7 +243,9 @@ class Pipeline:
             if b.numel == 0:    # only zero-size tensors: nothing to exchange
                 for k, d in enumerate(dests):
                     with tf.device(d):
-                        out_flats[k].append(tf.zeros([0], b.dtype))
+                        # In the reduction's dtype: an integer mean is a float's.
+                        out_flats[k].append(driver.finish(tf.zeros([0], b.dtype),
+                                                          reduce_op == MEAN, total, False))
                 continue
             with tf.name_scope(f"bucket_{b.id}"):
                 outcome = self._bucket(compressor, reduce_op, plan, b, [f[b.id] for f in flats],

@@ -656,6 +656,12 @@ class Compressor(abc.ABC):
         does not aggregate): a compressor that cannot train with some optimizers says
         so here. Nothing by default."""
 
+    def sparse_unseen(self) -> None:
+        """Called when embedding gradients (IndexedSlices) are reduced beside this
+        compressor, gathered as they are: a compressor that does part of the
+        optimizer's work on what it compresses (DGC's momentum) says what they miss.
+        Nothing by default."""
+
     def check_optimizer(self, optimizer: Any) -> None:
         """Raises `OptimizerRefused` when this compressor cannot train with `optimizer`.
 
@@ -725,6 +731,9 @@ class Wrapper(Compressor):
 
     def optimizer_unseen(self) -> None:
         self.inner.optimizer_unseen()
+
+    def sparse_unseen(self) -> None:
+        self.inner.sparse_unseen()
 
     def _optimizer_changes(self, optimizer: Any) -> tuple[float, dict]:
         return self.inner._optimizer_changes(optimizer)  # pylint: disable=protected-access

@@ -87,6 +87,9 @@ class Guard(Compressor):
     def optimizer_unseen(self) -> None:
         self.inner.optimizer_unseen()
 
+    def sparse_unseen(self) -> None:
+        self.inner.sparse_unseen()
+
     def send_interval(self) -> float:
         return self.inner.send_interval()
 
