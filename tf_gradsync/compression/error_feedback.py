@@ -102,13 +102,18 @@ def with_error_feedback(compressor: Compressor, enabled: bool | None) -> Compres
       enabled: True, False, or None for the compressor's default.
 
     Raises:
-      ValueError: when asked to wrap a compressor that keeps its own memory, or one that
-        sends its input exactly (its residual would be a bucket of zeros).
+      ValueError: when asked to wrap, or not to wrap, a compressor that keeps its own
+        memory (either way its memory is its own), or to wrap one that sends its input
+        exactly (its residual would be a bucket of zeros).
     """
+    if enabled is not None and compressor.has_own_memory:
+        # False would change nothing: the memory is the compressor's own.
+        raise ValueError(f"{compressor!r} keeps its own error memory, which "
+                         f"error_feedback={enabled} does not reach; leave it unset (a "
+                         "compressor with a switch for its memory has it among its own "
+                         "settings: powersgd's error_feedback)")
     if isinstance(compressor, ErrorFeedback) or enabled is False:
         return compressor
-    if enabled and compressor.has_own_memory:
-        raise ValueError(f"{compressor!r} keeps its own error memory; leave error_feedback unset")
     if enabled and compressor.exact:
         raise ValueError(f"{compressor!r} sends every value exactly, so it has no error to feed "
                          "back; leave error_feedback unset")
