@@ -69,6 +69,14 @@ def test_failure_stops_the_others_and_returns_its_code(tmp_path):
             os.kill(pid, 0)
 
 
+def _default_signals():
+    """The dispositions of a launcher started from a terminal: a background job (as the
+    suite may run) inherits SIGINT and SIGQUIT ignored, and `nohup` SIGHUP, which the
+    launcher then leaves ignored."""
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(sig, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT])
 def test_a_signal_is_forwarded_as_it_came(tmp_path, sig):
     """Each worker gets the launcher's signal itself, not SIGTERM for all: a Ctrl-C is a
@@ -87,7 +95,7 @@ def test_a_signal_is_forwarded_as_it_came(tmp_path, sig):
         "    sys.exit(3)\n")
     proc = subprocess.Popen([sys.executable, "-m", "tf_gradsync.launch", "--num_workers=2",
                              "--grace_seconds=20", "--", str(script)], env=ENV,
-                            stdout=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, text=True, preexec_fn=_default_signals)
     pids = []
     while len(pids) < 2:
         line = proc.stdout.readline()
