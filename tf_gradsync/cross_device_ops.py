@@ -293,8 +293,8 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
         # Pairs that share sources and destinations are synchronised together (one
         # bucket plan); values on other device sets get their own reduction.
         groups: dict[tuple, list[int]] = {}
-        values, keys = [], []
-        for value, dest in pairs:
+        values = []
+        for i, (value, dest) in enumerate(pairs):
             value = _tf_compat.to_per_replica(value)
             unplaced = tuple(value._devices)  # pylint: disable=protected-access
             value = _placed(value)
@@ -302,9 +302,8 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
             if dests == unplaced:     # reduced onto themselves (Keras 3's all-reduce)
                 dests = tuple(value._devices)  # pylint: disable=protected-access
             values.append(value)
-            keys.append((tuple(value._devices), dests))  # pylint: disable=protected-access
-        for i, key in enumerate(keys):
-            groups.setdefault(key, []).append(i)
+            sources = tuple(value._devices)  # pylint: disable=protected-access
+            groups.setdefault((sources, dests), []).append(i)
         results: list = [None] * len(pairs)
         for (_, dests), idx in groups.items():
             reduced = self._pipeline.reduce(reduce_op, [values[i] for i in idx], dests,

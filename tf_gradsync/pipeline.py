@@ -354,7 +354,11 @@ class _Owner:
     def __init__(self, optimizer):
         self._ref = None if optimizer is None else weakref.ref(optimizer)
         self._id = None if optimizer is None else id(optimizer)
-        self.mortal = optimizer is not None
+
+    @property
+    def mortal(self) -> bool:
+        """An optimizer, which may die; no one never does."""
+        return self._ref is not None
 
     def dead(self) -> bool:
         return self._ref is not None and self._ref() is None

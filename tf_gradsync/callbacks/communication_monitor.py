@@ -114,7 +114,7 @@ class CommunicationMonitor(tf.keras.callbacks.Callback):
         self._t0 = time.perf_counter()
         self._warm = False
         self._epoch, self._records = 0, []
-        self._epoch_steps, self._idle = self.ops.stats()["steps"], False
+        self._idle = False        # warned of an epoch that sent nothing
         strategy = self.strategy or getattr(self.model, "distribute_strategy", None)
         self.is_chief = _common.is_chief(strategy)
         if not self.is_chief:

@@ -90,7 +90,7 @@ class DGC(_sparse.SparseDecoding, Compressor):
         self.sample_ratio = sample_ratio
         self.ratios = self._stages()
         self.num_modes = len(self.ratios)
-        self._warned_unseen = self._warned_sparse = False
+        self._warned: set[str] = set()      # the warnings given (`_warn_once`)
 
     def _stages(self) -> tuple[float, ...]:
         """The kept fraction of each warm-up stage, ending with `ratio`."""
@@ -134,27 +134,28 @@ class DGC(_sparse.SparseDecoding, Compressor):
     def optimizer_unseen(self) -> None:
         """Warns, once, that the optimizer's momentum cannot be refused (gradients
         all-reduced by hand): under SGD with momentum 0.9 the two compound unseen."""
-        if self.momentum > 0 and not self._warned_unseen:
-            self._warned_unseen = True
-            warnings.warn(
-                f"dgc applies momentum {self.momentum} itself, and these gradients are "
-                "all-reduced outside an optimizer's apply_gradients, so the optimizer "
-                "that applies them cannot be checked: give it no momentum of its own "
-                "(SGD(momentum=0.0)), or the two compound", UserWarning, stacklevel=2)
+        self._warn_once(
+            "unseen", f"dgc applies momentum {self.momentum} itself, and these gradients "
+            "are all-reduced outside an optimizer's apply_gradients, so the optimizer "
+            "that applies them cannot be checked: give it no momentum of its own "
+            "(SGD(momentum=0.0)), or the two compound")
 
     def sparse_unseen(self) -> None:
         """Warns, once, that embedding gradients get none of DGC's momentum: with the
         optimizer's own gone (as DGC requires), they train without any."""
-        if self.momentum > 0 and not self._warned_sparse:
-            self._warned_sparse = True
-            warnings.warn(
-                f"dgc applies momentum {self.momentum} to the dense gradients it compresses; "
-                "embedding gradients (IndexedSlices) are gathered as they are and get none, "
-                "and the optimizer may apply none of its own (dgc refuses it), so the "
-                "embeddings train without momentum (an Embedding + Dense model on digits "
-                "reached 0.41 against 0.87 uncompressed): for models with embeddings, use "
-                "topk, whose adapted optimizer scales the rate of every variable",
-                UserWarning, stacklevel=2)
+        self._warn_once(
+            "sparse", f"dgc applies momentum {self.momentum} to the dense gradients it "
+            "compresses; embedding gradients (IndexedSlices) are gathered as they are and "
+            "get none, and the optimizer may apply none of its own (dgc refuses it), so "
+            "the embeddings train without momentum (an Embedding + Dense model on digits "
+            "reached 0.41 against 0.87 uncompressed): for models with embeddings, use "
+            "topk, whose adapted optimizer scales the rate of every variable")
+
+    def _warn_once(self, key: str, message: str) -> None:
+        """Warns `message` the first time `key` comes, while DGC applies momentum."""
+        if self.momentum > 0 and key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, UserWarning, stacklevel=3)
 
     def required_optimizer_changes(self, optimizer: Any) -> dict:
         """While DGC applies momentum, SGD's or RMSprop's own goes (`momentum`,

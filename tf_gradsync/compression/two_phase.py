@@ -5,8 +5,9 @@ decoded, which grows with N. In two phases each replica cuts its bucket into N c
 (the same boundaries everywhere), compresses each and sends chunk j to replica j, its
 owner (all-to-all); the owner decodes and sums the N contributions, compresses the sum
 again (with the compressor's `server_codec`), keeping what that loses in a server-side
-residual (error feedback at the owner) where that codec is biased, and the compressed
-reduced chunks are all-gathered. Each replica sends (N-1)/N of a payload in each phase, whatever N.
+residual (error feedback at the owner) for a compressor under error feedback, and the
+compressed reduced chunks are all-gathered. Each replica sends (N-1)/N of a payload in
+each phase, whatever N.
 
 Chunks keep the bucket's layout: a chunk holds pieces of the bucket's tensors, so
 per-tensor statistics stay per tensor (a tensor cut by a boundary becomes two
@@ -149,8 +150,8 @@ def rounds(compressor: Compressor, x: tf.Tensor, ctx: Context) -> Rounds:
     received = yield Message(tuple(parts), SCATTER)
 
     # The owner: decode and sum the chunk's contributions, compress the sum again (under
-    # error feedback for a biased codec, its residual the owner's: the server-side
-    # error feedback).
+    # error feedback where the replicas have it, its residual the owner's: the
+    # server-side error feedback).
     me = chunks.member
     summed = xla.decode(compressor, ctx, lambda r: compressor.combine(r, metas[me]), received)
     # Records no error: not the replicas' compression.
