@@ -13,11 +13,13 @@ import textwrap
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run(script: str, *argv: str, timeout: float = 600) -> str:
-    """Runs `script` (dedented) with `argv` under tf_keras, the project and its examples
-    importable; asserts it succeeded and returns its standard output."""
+def run(script: str, *argv: str, timeout: float = 600, legacy: bool = True) -> str:
+    """Runs `script` (dedented) with `argv` under tf_keras (Keras 3 with `legacy` false),
+    the project and its examples importable; asserts it succeeded and returns its
+    standard output."""
     path = os.pathsep.join([ROOT, os.path.join(ROOT, "examples")])
-    env = dict(os.environ, TF_USE_LEGACY_KERAS="1", TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=path)
+    env = dict(os.environ, TF_USE_LEGACY_KERAS="1" if legacy else "0",
+               TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=path)
     out = subprocess.run([sys.executable, "-c", textwrap.dedent(script), *argv], env=env,
                          capture_output=True, text=True, timeout=timeout)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]

@@ -354,6 +354,40 @@ def test_a_scalar_reduced_by_hand_is_exact_and_counts_no_step(devices):
     assert stats["steps"] == 2 and stats["last_bytes_dense"] > 1000
 
 
+def test_sums_inside_a_layer_and_their_gradients_are_exact(devices):
+    """A layer that sums activations over the replicas (as a synchronized batch norm
+    does) and the gradient of that sum (an all-reduce inside the tape's gradient):
+    exact under sign compression, and no step."""
+    ops = gs.CompressedAllReduce("sign")
+    strategy = tf.distribute.MirroredStrategy(devices, cross_device_ops=ops)
+
+    class Summed(tf.keras.layers.Layer):
+        def call(self, x):
+            return tf.distribute.get_replica_context().all_reduce(SUM, x)
+
+    layer = Summed()
+    rows = np.random.default_rng(3).normal(size=(2, 4, 50)).astype(np.float32)
+
+    @tf.function
+    def step():
+        def fn():
+            r = tf.distribute.get_replica_context().replica_id_in_sync_group
+            x, w = tf.gather(rows[0], r), tf.gather(rows[1], r)
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                y = layer(x)
+                loss = tf.reduce_sum(w * y)
+            return y, tape.gradient(loss, x)
+        return strategy.run(fn)
+
+    y, dx = step()
+    for t in results(y):
+        np.testing.assert_allclose(t, rows[0].sum(0), rtol=1e-5, atol=1e-5)
+    for t in results(dx):
+        np.testing.assert_allclose(t, rows[1].sum(0), rtol=1e-5, atol=1e-5)
+    assert ops.stats()["steps"] == 0
+
+
 def test_repeated_calls_and_retracing_in_tf_function(devices):
     ops = gs.CompressedAllReduce("none", bucket_bytes=64)
     strategy = tf.distribute.MirroredStrategy(devices, cross_device_ops=ops)

@@ -187,3 +187,37 @@ def test_custom_loop_example_trains_and_keeps_replicas_in_step(devices):
     assert 0 < epochs[-1]["comm_error"] < 1
     assert epochs[-1]["loss"] < epochs[0]["loss"]
     assert accuracy >= 0.94, accuracy
+
+
+SYNC_BN = """
+import sys
+import numpy as np
+import tf_gradsync as gs
+devices = gs.logical_cpus(4)
+import tensorflow as tf
+ops = gs.CompressedAllReduce(sys.argv[1])
+strategy = tf.distribute.MirroredStrategy(devices, cross_device_ops=ops)
+rng = np.random.default_rng(0)
+x = (rng.normal(size=(32, 6)) * np.arange(1, 7) + np.arange(6)).astype("float32")
+with strategy.scope():
+    bn = tf.keras.layers.BatchNormalization(synchronized=True, momentum=0.0)
+    model = tf.keras.Sequential([tf.keras.Input((6,)), bn, tf.keras.layers.Dense(1)])
+    model.compile(optimizer=tf.keras.optimizers.SGD(0.1), loss="mse")
+model.fit(x, x[:, :1], batch_size=32, epochs=1, shuffle=False, verbose=0)
+print("RESULT", ops.stats()["steps"], *np.asarray(bn.moving_mean), *np.asarray(bn.moving_variance))
+"""
+
+
+@pytest.mark.parametrize("keras_version", ["keras3", "tf_keras"])
+def test_synchronized_batch_norm_moments_are_exact_and_no_step(keras_version):
+    """A synchronized batch normalization sums its moments (and, backwards, their
+    gradients) over the replicas with the replica context's all-reduce, as gradients
+    are summed: they go exact, and count no step. Sign compression sent each moment as
+    +-its mean magnitude, top-k zeros, and one `fit` step counted six."""
+    out = _tf_keras.run(SYNC_BN, "sign", legacy=keras_version == "tf_keras", timeout=300)
+    (row,) = _tf_keras.lines(out)
+    x = (np.random.default_rng(0).normal(size=(32, 6)) * np.arange(1, 7)
+         + np.arange(6)).astype(np.float32)
+    assert int(row[0]) == 1
+    np.testing.assert_allclose(np.array(row[1:7], float), x.mean(0), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.array(row[7:], float), x.var(0), rtol=1e-4)

@@ -16,6 +16,7 @@ from tensorflow.python.distribute import cross_device_ops as _cross_device_ops
 from tensorflow.python.distribute import distribute_lib as _distribute_lib
 from tensorflow.python.distribute import distribute_utils as _distribute_utils
 from tensorflow.python.distribute import values as _values
+from tensorflow.python.eager import backprop as _backprop
 from tensorflow.python.ops import collective_ops as _collective_ops
 from tensorflow.python.ops import resource_variable_ops as _resource_variable_ops
 
@@ -145,16 +146,20 @@ def _merge_call_subclass(cls):
     return _MERGE_CALL_CLASSES[cls]
 
 
+def _stacks() -> list:
+    """The innermost frame of every thread, the caller's first. Under MirroredStrategy
+    a reduction runs on the main thread while the replicas whose code asked for it wait
+    on threads of their own, so every thread's stack is searched."""
+    return [sys._getframe(2)] + list(sys._current_frames().values())  # pylint: disable=protected-access
+
+
 def calling_optimizer():
     """The Keras optimizer applying gradients right now, or None.
 
     Gradient all-reduces run inside the optimizer's `apply_gradients` (Keras 3 and
-    tf_keras alike); under MirroredStrategy the optimizer's frames are on a replica
-    thread while the all-reduce runs on the main one, so every thread's stack is
-    searched for a method of an optimizer.
+    tf_keras alike), whose frames may be on a replica thread (`_stacks`).
     """
-    frames = [sys._getframe()] + list(sys._current_frames().values())  # pylint: disable=protected-access
-    for frame in frames:
+    for frame in _stacks():
         while frame is not None:
             obj = frame.f_locals.get("self")
             if obj is not None and _is_keras_optimizer(obj):
@@ -163,11 +168,42 @@ def calling_optimizer():
     return None
 
 
+#: TensorFlow's gradient computation: an all-reduce made inside it is the gradient of
+#: an all-reduce of activations (the moments of a synchronized batch normalization).
+_BACKPROP_CODE = _backprop.GradientTape.gradient.__code__
+
+
+def reducing_activations() -> bool:
+    """Whether the reduction running now sums statistics of activations, not gradients
+    of weights: on some thread, the innermost frame that tells is a Keras layer's
+    `call` (a synchronized batch normalization's moments) or TensorFlow's gradient
+    computation (the moments' gradients), not an optimizer's method.
+
+    Such sums feed the forward and backward passes as they are, so they must be exact,
+    and they are no training step."""
+    for frame in _stacks():
+        while frame is not None:
+            if frame.f_code is _BACKPROP_CODE:
+                return True
+            obj = frame.f_locals.get("self")
+            if obj is not None:
+                if _is_keras_optimizer(obj):
+                    break
+                if frame.f_code.co_name in ("call", "__call__") and _is_keras(obj, "Layer"):
+                    return True
+            frame = frame.f_back
+    return False
+
+
 def _is_keras_optimizer(obj) -> bool:
+    return _is_keras(obj, "Optimizer", "OptimizerV2", "BaseOptimizer")
+
+
+def _is_keras(obj, *names: str) -> bool:
+    """Whether `obj` is an instance of a Keras 3 or tf_keras class of one of `names`."""
     for cls in type(obj).__mro__:
         module = cls.__module__ or ""
-        if cls.__name__ in ("Optimizer", "OptimizerV2", "BaseOptimizer") and \
-                module.split(".")[0] in ("keras", "tf_keras"):
+        if cls.__name__ in names and module.split(".")[0] in ("keras", "tf_keras"):
             return True
     return False
 

@@ -229,14 +229,17 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
         return result
 
     def batch_reduce_implementation(self, reduce_op, value_destination_pairs, options):
+        # Sums of activations (a synchronized batch normalization's moments, in its
+        # forward and backward passes) reach here as gradients do, and must stay exact.
+        compress = not _tf_compat.reducing_activations()
         if self._exact_ops is None:
-            return self._run(reduce_op, value_destination_pairs, options, compress=True)
+            return self._run(reduce_op, value_destination_pairs, options, compress)
         pairs = list(value_destination_pairs)
         ours, rest = [], []
         for i, (value, dest) in enumerate(pairs):
             v = _tf_compat.to_per_replica(value)
             all_reduce = _tf_compat.devices_of(dest) == tuple(v._devices)  # pylint: disable=protected-access
-            (ours if all_reduce and path_of(v) == "compressed" else rest).append(i)
+            (ours if compress and all_reduce and path_of(v) == "compressed" else rest).append(i)
         results = [None] * len(pairs)
         if ours:
             for i, r in zip(ours, self._run(reduce_op, [pairs[i] for i in ours], options, True)):
