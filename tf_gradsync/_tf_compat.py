@@ -208,6 +208,14 @@ def _is_keras(obj, *names: str) -> bool:
     return False
 
 
+def deferred_restores(trackable) -> dict[str, list]:
+    """`trackable`'s children that a `tf.train.Checkpoint` restore holds values for and
+    that do not exist yet (restored as soon as they are tracked), each with the shapes
+    of its saved values (None for what is no variable)."""
+    return {name: [p.value_shape() for p in positions]
+            for name, positions in trackable._deferred_dependencies.items()}  # pylint: disable=protected-access
+
+
 def keras_saveable_base() -> type:
     """Keras 3's base class of objects its weight files (`save_weights`, `.keras`) walk
     into; `object` where Keras 3 is absent (tf_keras checkpoints track tf.Modules)."""

@@ -49,7 +49,9 @@ def track_state(model, ops: CompressedAllReduce) -> None:
     that no variable takes (written by another version or configuration of the
     compressor, or under another `bucket_bytes`) is kept and saved again but restores
     nothing, and a warning names it; so does a loaded value of another shape (another
-    PowerSGD rank, say), whose variable starts from its initial value.
+    PowerSGD rank, say), whose variable starts from its initial value. A tf_keras
+    model loaded from the SavedModel of a tracked model (`model.save`) brings its state
+    back: tracked again, it seeds `ops`' state.
 
     Args:
       model: a Keras 3 or tf_keras model.
@@ -57,7 +59,7 @@ def track_state(model, ops: CompressedAllReduce) -> None:
 
     Raises:
       ValueError: if `ops` is not a `CompressedAllReduce`, or `model` already tracks
-        other ops.
+        other ops (or holds something else under `gradsync_state`).
 
     Example:
       >>> ops = tf_gradsync.CompressedAllReduce("topk")
@@ -69,8 +71,22 @@ def track_state(model, ops: CompressedAllReduce) -> None:
     if not isinstance(ops, CompressedAllReduce):
         raise ValueError(f"ops must be a tf_gradsync.CompressedAllReduce, got {ops!r}")
     current = getattr(model, ATTRIBUTE, None)
-    if current is not None:
+    if isinstance(current, _ModelState):
         if current.ops is ops:
             return
         raise ValueError(f"{model.name!r} already tracks the state of {current.ops!r}")
+    if current is not None:
+        # A model loaded from a SavedModel (tf_keras' `model.save`) holds the state it
+        # was saved with as restored variables: they seed `ops`' state.
+        ops._state.assign(_revived_values(model, current))  # pylint: disable=protected-access
     setattr(model, ATTRIBUTE, _ModelState(ops))
+
+
+def _revived_values(model, revived) -> dict:
+    """The state values held by `revived`, the `_ModelState` of a model loaded from a
+    SavedModel."""
+    variables = getattr(getattr(getattr(revived, "ops", None), "_state", None), "_variables", None)
+    if not hasattr(variables, "items"):
+        raise ValueError(f"{model.name!r} has an attribute {ATTRIBUTE!r} that is not "
+                         f"tf_gradsync state: {revived!r}")
+    return {key: var.numpy() for key, var in variables.items()}

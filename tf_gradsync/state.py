@@ -73,6 +73,11 @@ class SyncState(tf.Module):
                 var = _tf_compat.plain_variable(initial_value, name=key, device=device)
                 if key in self._pending.values:
                     _assign(var, key, self._pending.values.pop(key))
+                # TensorFlow restores on insertion, and skips a value of another shape
+                # without a word.
+                for shape in _tf_compat.deferred_restores(self._variables).get(key, ()):
+                    if shape is not None and tuple(shape) != tuple(var.shape):
+                        _warn_shape(key, shape, var.shape)
                 self._variables[key] = var
                 self._pending.initial[key] = initial_value
         return self._variables[key]
@@ -107,13 +112,14 @@ class SyncState(tf.Module):
         plan's state, once traced). Loaded values under it that no variable took, now
         or loaded later, are state of another version or configuration of the ops:
         they are kept (and saved again) but restore nothing, and a warning names them."""
+        waiting = self._waiting()
         if prefix not in self._pending.sealed:
             self._pending.sealed.add(prefix)
-            _warn_unclaimed([k for k in self._pending.values if k.startswith(prefix)])
+            _warn_unclaimed([k for k in waiting if k.startswith(prefix)])
         # The rest waits for a plan of its own: another compressor's, or of other tensors
         # or another bucket_bytes (keys hold both). A step over those may still come (a
         # second model); if none does, their state is lost, so say so once.
-        others = sorted(k for k in self._pending.values if k not in self._pending.named
+        others = sorted(k for k in waiting if k not in self._pending.named
                         and not any(k.startswith(p) for p in self._pending.sealed))
         if others:
             self._pending.named.update(others)
@@ -124,6 +130,12 @@ class SyncState(tf.Module):
                 "state of this one (error feedback, momentum, warm starts) starts from its "
                 "initial values.", len(others), ", ".join(others[:4]),
                 ", ..." if len(others) > 4 else "")
+
+    def _waiting(self) -> set[str]:
+        """Keys of loaded values no variable has taken yet: loaded from Keras 3 weight
+        files (`assign`), or restored by `tf.train.Checkpoint`, which holds them until a
+        variable of their name joins the tracked dict."""
+        return set(self._pending.values) | set(_tf_compat.deferred_restores(self._variables))
 
     def assign(self, values: Mapping[str, np.ndarray]) -> None:
         """Assigns loaded values: now to existing variables, at creation to the others."""
@@ -145,7 +157,7 @@ def _warn_unclaimed(keys: list[str]) -> None:
         logging.warning(
             "tf_gradsync: %d loaded state values match no variable and are not restored "
             "(%s%s): they come from another version or configuration of the compressor, "
-            "and the state they held (error feedback, momentum, warm starts) starts from "
+            "or from replicas this run does not have, and the state they held (error feedback, momentum, warm starts) starts from "
             "its initial values.", len(keys), ", ".join(keys[:4]),
             ", ..." if len(keys) > 4 else "")
 
@@ -154,10 +166,14 @@ def _assign(var: tf.Variable, key: str, value: np.ndarray) -> None:
     """Assigns a loaded value of the variable's shape; warns of one of another shape,
     written by another configuration of the compressor, and leaves the variable."""
     if tuple(value.shape) != tuple(var.shape):
-        logging.warning(
-            "tf_gradsync: the loaded value for %s has shape %s, the variable %s: it is of "
-            "another configuration of the compressor (a rank or block size changed, say), "
-            "is not restored, and that state starts from its initial values.", key,
-            tuple(value.shape), tuple(var.shape))
+        _warn_shape(key, value.shape, var.shape)
         return
     var.assign(value.astype(var.dtype.as_numpy_dtype))
+
+
+def _warn_shape(key: str, loaded, shape) -> None:
+    logging.warning(
+        "tf_gradsync: the loaded value for %s has shape %s, the variable %s: it is of "
+        "another configuration of the compressor (a rank or block size changed, say), "
+        "is not restored, and that state starts from its initial values.", key,
+        tuple(loaded), tuple(shape))
