@@ -239,7 +239,8 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
         for i, (value, dest) in enumerate(pairs):
             v = _tf_compat.to_per_replica(value)
             all_reduce = _tf_compat.devices_of(dest) == tuple(v._devices)  # pylint: disable=protected-access
-            (ours if compress and all_reduce and path_of(v) == "compressed" else rest).append(i)
+            compressed = compress and all_reduce and path_of(v) == "compressed"
+            (ours if compressed else rest).append(i)
         results = [None] * len(pairs)
         if ours:
             for i, r in zip(ours, self._run(reduce_op, [pairs[i] for i in ours], options, True)):

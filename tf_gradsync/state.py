@@ -157,9 +157,9 @@ def _warn_unclaimed(keys: list[str]) -> None:
         logging.warning(
             "tf_gradsync: %d loaded state values match no variable and are not restored "
             "(%s%s): they come from another version or configuration of the compressor, "
-            "or from replicas this run does not have, and the state they held (error feedback, momentum, warm starts) starts from "
-            "its initial values.", len(keys), ", ".join(keys[:4]),
-            ", ..." if len(keys) > 4 else "")
+            "or from replicas this run does not have, and the state they held (error "
+            "feedback, momentum, warm starts) starts from its initial values.", len(keys),
+            ", ".join(keys[:4]), ", ..." if len(keys) > 4 else "")
 
 
 def _assign(var: tf.Variable, key: str, value: np.ndarray) -> None:
