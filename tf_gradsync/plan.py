@@ -37,8 +37,8 @@ flags.DEFINE_integer("params", None, "Model size in weights (one square Dense la
                      "bias; past 2^30 weights, several of at most 2^30).", flag_values=FLAGS)
 flags.DEFINE_string("model", None, "A keras.applications name, a saved Keras model's path or "
                     "bert-large.", flag_values=FLAGS)
-flags.DEFINE_list("imports", [], "Modules to import before loading --model (those defining "
-                  "its custom layers).", flag_values=FLAGS)
+flags.DEFINE_list("imports", [], "Modules to import first: those defining --model's custom "
+                  "layers, or compressors of your own.", flag_values=FLAGS)
 flags.DEFINE_list("workers", ["4"], "Workers N (several: a row per value).", flag_values=FLAGS)
 flags.DEFINE_list("bandwidth", ["1gbit"], "Link rate per worker, tc style: kbit, mbit, gbit are "
                   "bits per second, kbps, mbps, gbps BYTES per second (100mbit, 1gbit, 25gbit; "

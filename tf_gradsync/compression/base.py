@@ -16,6 +16,7 @@ norms, k or matrices per tensor, while still sending one fused payload per round
 from __future__ import annotations
 
 import abc
+import collections.abc
 import dataclasses
 import functools
 import inspect
@@ -265,14 +266,34 @@ class OptimizerRefused(ValueError):
     __init__ = Exception.__init__
 
 
+class NoState(collections.abc.Mapping):
+    """The state of a memoryless call (a payload sized from `Compressor.codec()`): empty,
+    and reading a field says why there is none."""
+
+    def __init__(self, compressor: "Compressor"):
+        self._name = type(compressor).__name__
+
+    def __getitem__(self, key: str):
+        raise KeyError(f"{self._name}.compress read its state {key!r} in a memoryless call "
+                       "(a payload sized from codec()): a compressor whose compress reads "
+                       "state returns a form that keeps none from codec()")
+
+    def __iter__(self):
+        return iter(())
+
+    def __len__(self) -> int:
+        return 0
+
+
 class Compressor(abc.ABC):
     """Base class of all compressors.
 
     A single-round compressor implements `compress` and `decompress` and declares:
       * `summable`: payloads from different replicas may be added elementwise and the
         sum decompresses to the sum of the inputs, so they are all-reduced; otherwise
-        they are all-gathered and decompressed one by one.
-      * `unbiased`: `E[decompress(compress(x))] == x`.
+        (the default) they are all-gathered and decompressed one by one.
+      * `unbiased`: `E[decompress(compress(x))] == x` (False by default: a biased
+        compressor without memory of its own is wrapped in `ErrorFeedback`).
       * `prescale`: divide the input by the number of replicas before compressing so
         that sums on the wire stay within the payload dtype's range (fp16);
         `prescales(dtype)` decides it per bucket dtype.
@@ -310,8 +331,10 @@ class Compressor(abc.ABC):
     """
 
     name: ClassVar[str] = ""
-    summable: ClassVar[bool] = True
-    unbiased: ClassVar[bool] = True
+    # Safe defaults: payloads that cannot be summed are gathered (correct for any
+    # codec), and a biased codec gets error feedback.
+    summable: ClassVar[bool] = False
+    unbiased: ClassVar[bool] = False
     prescale: ClassVar[bool] = False
     floating_only: ClassVar[bool] = True
     exact: ClassVar[bool] = False
@@ -370,6 +393,9 @@ class Compressor(abc.ABC):
         """
         recorded = len(ctx.errors) if ctx.errors is not None else 0
         payload, meta = xla.compress(self, x, ctx)
+        if tf.is_tensor(payload) or not isinstance(payload, (tuple, list)):
+            raise TypeError(f"{type(self).__name__}.compress must return (payload, meta), "
+                            f"the payload a tuple of tensors; got a {type(payload).__name__}")
         payload = tuple(payload)
         # `compress` may record the error of what it really compressed (DGC: its
         # accumulated velocity); otherwise x against what the payload decodes to.
@@ -886,10 +912,44 @@ _REGISTRY: dict[str, type[Compressor]] = {}
 
 
 def register(name: str):
-    """Class decorator that makes a compressor available to `get(name)`."""
+    """Class decorator that makes a compressor available to `get(name)`.
+
+    The class must implement `compress` and `decompress` (or override `rounds`). A
+    class defined again under the same module and name (a notebook cell run twice, a
+    reloaded module) replaces the one registered before.
+
+    Raises:
+      TypeError: without a name (`@register` bare), or for a class that is no
+        `Compressor` or lacks its codec.
+      ValueError: for a name that another class holds, or a class registered under
+        another name.
+
+    Example:
+      >>> @register("scaled_sign")
+      ... class ScaledSign(Compressor): ...
+    """
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"register takes the compressor's name, as @register('mine'); "
+                        f"got {name!r}")
+
     def wrap(cls: type[Compressor]) -> type[Compressor]:
-        if name in _REGISTRY and _REGISTRY[name] is not cls:
-            raise ValueError(f"compressor name {name!r} is already registered")
+        if not (isinstance(cls, type) and issubclass(cls, Compressor)):
+            raise TypeError(f"register({name!r}) decorates a Compressor subclass, got {cls!r}")
+        missing = [m for m in ("compress", "decompress")
+                   if getattr(cls, m) is getattr(Compressor, m)]
+        if missing and cls.rounds is Compressor.rounds:
+            raise TypeError(f"compressor {name!r} ({cls.__qualname__}) does not implement "
+                            f"{' and '.join(missing)}: a one-round compressor implements "
+                            "compress and decompress, one of several rounds overrides rounds")
+        old = _REGISTRY.get(name)
+        if old is not None and old is not cls and (old.__module__, old.__qualname__) != (
+                cls.__module__, cls.__qualname__):
+            raise ValueError(f"compressor name {name!r} is already registered, to "
+                             f"{old.__module__}.{old.__qualname__}")
+        own = cls.__dict__.get("name")
+        if own and own != name and _REGISTRY.get(own) is cls:
+            raise ValueError(f"{cls.__qualname__} is already registered as {own!r}; a class "
+                             f"has one name (subclass it to register it as {name!r})")
         cls.name = name
         _REGISTRY[name] = cls
         return cls

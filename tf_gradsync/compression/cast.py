@@ -24,6 +24,8 @@ class _Cast(Compressor):
     """
 
     accuracy = "lossless"
+    summable = True
+    unbiased = True
 
     wire_dtype: ClassVar[tf.DType]
 

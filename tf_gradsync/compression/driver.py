@@ -117,6 +117,7 @@ def run_mode(compressor: Compressor, xs: Sequence[tf.Tensor], ctxs: Sequence[Con
             raise ValueError(f"{compressor!r}: replicas ran different numbers of rounds")
         if done:
             results = [s.value for s in done]
+            _check_results(compressor, results, xs)
         else:
             messages = steps
     errors = [e for c in ctxs for e in (c.errors or [])]
@@ -153,6 +154,18 @@ def _check_round(compressor: Compressor, messages: Sequence[Message]) -> None:
                              f"{first} vs {m}")
     for part in first.parts():
         nbytes(part)    # static shapes, or a clear error
+
+
+def _check_results(compressor: Compressor, results: Sequence, xs: Sequence[tf.Tensor]) -> None:
+    """Each replica's reduced bucket has its input's shape and dtype (the unpack and the
+    error measurement would otherwise fail far from the compressor, or a gradient come
+    back in another dtype)."""
+    for y, x in zip(results, xs):
+        if not (tf.is_tensor(y) and y.dtype == x.dtype and y.shape.is_compatible_with(x.shape)):
+            got = f"{y.dtype.name} {y.shape}" if tf.is_tensor(y) else repr(y)
+            raise ValueError(f"{compressor!r} decoded a bucket of {x.dtype.name} {x.shape} into "
+                             f"{got}: decompress (or rounds) must give the bucket's shape "
+                             "and dtype")
 
 
 def _specs(payload) -> list:

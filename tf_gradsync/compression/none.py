@@ -18,6 +18,8 @@ class NoCompression(Compressor):
     """
 
     accuracy = "lossless"
+    summable = True
+    unbiased = True
     exact = True
 
     floating_only = False

@@ -93,6 +93,7 @@ class PowerSGD(Compressor):
 
     accuracy = "balanced"
 
+    summable = True     # its factors P and Q are summed
     unbiased = False
     # Not prescaled: P_hat is orthonormalised, so the result is linear in the replicas'
     # M; a SUM then needs no pass over the bucket to divide by the replica count and

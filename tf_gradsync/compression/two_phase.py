@@ -31,7 +31,7 @@ import tensorflow as tf
 from tf_gradsync.compression import _util, xla
 from tf_gradsync.compression.error_feedback import ErrorFeedback
 from tf_gradsync.compression.base import (GATHER, SCATTER, Compressor, Context, Layout, Message,
-                                          Rounds, StateSpec, nbytes)
+                                          NoState, Rounds, StateSpec, nbytes)
 
 #: State key of the owner's residual (the server-side error feedback).
 SERVER = "server_residual"
@@ -199,7 +199,7 @@ def payload_bytes(compressor: Compressor, layout: Layout, parts: int) -> tuple[i
         # Sizes depend on the layout alone; at large N most chunks share one.
         key = (id(codec), chunk)
         if key not in sizes:
-            ctx = Context(layout=chunk, mode=codec.steady_mode())
+            ctx = Context(state=NoState(codec), layout=chunk, mode=codec.steady_mode())
             payload, _ = codec.compress(tf.zeros([chunk.numel], chunk.dtype), ctx)
             sizes[key] = nbytes(payload)
         return sizes[key]
