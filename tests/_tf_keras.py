@@ -1,4 +1,4 @@
-"""Runs a test script under tf_keras (Keras 2) in a fresh interpreter.
+"""Runs a test script under tf_keras (Keras 2), or Keras 3, in a fresh interpreter.
 
 `TF_USE_LEGACY_KERAS` is read when TensorFlow is first imported, so a suite that has
 imported it with Keras 3 reaches tf_keras only in another process."""

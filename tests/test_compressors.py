@@ -1770,7 +1770,7 @@ def test_register_names_what_is_wrong(registry):
 
 
 def test_a_bare_tensor_payload_or_a_decode_of_another_dtype_is_named(registry):
-    with pytest.raises(TypeError, match="ScaledSign.compress must return .*got a .*Tensor"):
+    with pytest.raises(TypeError, match="ScaledSign.compress must return .*got .*Tensor"):
         reduce(_scaled_sign(bare=True)(), [rand(N)])
     with pytest.raises(ValueError, match="decoded a bucket of float32 .* into float64"):
         reduce(_scaled_sign(decode_dtype=tf.float64)(), [rand(N), rand(N, seed=1)])
@@ -1790,3 +1790,21 @@ def test_a_codec_that_reads_state_is_told_to_override_codec(registry):
     C.register("remembering")(Remembering)
     with pytest.raises(KeyError, match="read its state 'memory' .* from codec"):
         gs.CompressedAllReduce("remembering").bucket_exchange(LAYOUT, 4)
+
+
+def test_a_compressor_of_its_own_rounds_keeps_its_own_residual_and_is_gathered(registry):
+    """One that overrides `rounds` alone cannot be wrapped in error feedback or cut into
+    two phases: by default it gets neither, and its bucket is gathered whole."""
+    class Halves(C.Compressor):
+        def rounds(self, x, ctx):
+            received = yield C.Message((tf.cast(x, tf.float16),), C.GATHER)
+            return tf.add_n([tf.cast(p[0], x.dtype) for p in received])
+
+    C.register("halves")(Halves)
+    ops = gs.CompressedAllReduce("halves")
+    assert type(ops.compressor) is Halves and not Halves.splittable
+    assert ops.bucket_exchange(LAYOUT, 8) == "gather"
+    xs = [rand(N, seed=r) for r in range(3)]
+    out = reduce(C.get("halves"), xs)
+    want = sum(x.numpy().astype(np.float16).astype(np.float32) for x in xs)
+    np.testing.assert_allclose(out.results[0].numpy(), want, rtol=1e-6)

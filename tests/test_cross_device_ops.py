@@ -388,6 +388,41 @@ def test_sums_inside_a_layer_and_their_gradients_are_exact(devices):
     assert ops.stats()["steps"] == 0
 
 
+def test_a_layer_running_on_another_thread_leaves_gradients_compressed(devices):
+    """Only the threads of the reduction tell what it sums: a layer busy on another
+    thread (a dataset's worker, another model) does not make gradients exact."""
+    import threading
+    ops = gs.CompressedAllReduce("sign")
+    strategy = tf.distribute.MirroredStrategy(devices, cross_device_ops=ops)
+    entered, release = threading.Event(), threading.Event()
+
+    class Waiting(tf.keras.layers.Layer):
+        def call(self, x):
+            entered.set()
+            release.wait(60)
+            return x
+
+    busy = threading.Thread(target=lambda: Waiting()(tf.ones([2])))
+    busy.start()
+    try:
+        assert entered.wait(60)
+
+        @tf.function
+        def step():
+            def fn():
+                r = tf.cast(tf.distribute.get_replica_context().replica_id_in_sync_group,
+                            tf.float32)
+                return tf.distribute.get_replica_context().all_reduce(
+                    SUM, [tf.range(40.0) * (r + 1.0)])
+            return strategy.run(fn)
+        (got,) = step()
+    finally:
+        release.set()
+        busy.join()
+    assert ops.stats()["steps"] == 1
+    assert not np.allclose(results(got)[0], np.arange(40.0) * 10)     # sign-compressed
+
+
 def test_repeated_calls_and_retracing_in_tf_function(devices):
     ops = gs.CompressedAllReduce("none", bucket_bytes=64)
     strategy = tf.distribute.MirroredStrategy(devices, cross_device_ops=ops)

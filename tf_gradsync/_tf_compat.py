@@ -8,6 +8,8 @@ publicly. Keeping these imports here means a TensorFlow upgrade touches one file
 from __future__ import annotations
 
 import sys
+import threading
+import types
 from typing import Sequence
 
 import tensorflow as tf
@@ -15,8 +17,8 @@ from tensorflow.compiler.tf2xla.python import xla as _xla
 from tensorflow.python.distribute import cross_device_ops as _cross_device_ops
 from tensorflow.python.distribute import distribute_lib as _distribute_lib
 from tensorflow.python.distribute import distribute_utils as _distribute_utils
+from tensorflow.python.distribute import mirrored_run as _mirrored_run
 from tensorflow.python.distribute import values as _values
-from tensorflow.python.eager import backprop as _backprop
 from tensorflow.python.ops import collective_ops as _collective_ops
 from tensorflow.python.ops import resource_variable_ops as _resource_variable_ops
 
@@ -147,10 +149,14 @@ def _merge_call_subclass(cls):
 
 
 def _stacks() -> list:
-    """The innermost frame of every thread, the caller's first. Under MirroredStrategy
-    a reduction runs on the main thread while the replicas whose code asked for it wait
-    on threads of their own, so every thread's stack is searched."""
-    return [sys._getframe(2)] + list(sys._current_frames().values())  # pylint: disable=protected-access
+    """The innermost frame of this thread and of the replica threads of a running
+    MirroredStrategy: under it a reduction runs on the main thread while the replicas
+    whose code asked for it wait on threads of their own. Other threads (a dataset's
+    workers, another model's) are no part of the reduction."""
+    frames = sys._current_frames()  # pylint: disable=protected-access
+    replicas = [t.ident for t in threading.enumerate()
+                if isinstance(t, _mirrored_run._MirroredReplicaThread)]  # pylint: disable=protected-access
+    return [frames[i] for i in [threading.get_ident()] + replicas if i in frames]
 
 
 def calling_optimizer():
@@ -168,22 +174,33 @@ def calling_optimizer():
     return None
 
 
-#: TensorFlow's gradient computation: an all-reduce made inside it is the gradient of
-#: an all-reduce of activations (the moments of a synchronized batch normalization).
-_BACKPROP_CODE = _backprop.GradientTape.gradient.__code__
+def _nested_codes(code: types.CodeType) -> list[types.CodeType]:
+    out = []
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            out += [const] + _nested_codes(const)
+    return out
+
+
+#: The gradient functions of `ReplicaContext.all_reduce`: an all-reduce made in one is
+#: the gradient of an all-reduce (of activations: a synchronized batch norm's moments).
+_ALL_REDUCE_GRADS = frozenset(
+    c for c in _nested_codes(_distribute_lib.ReplicaContextBase.all_reduce.__code__)
+    if c.co_name == "<lambda>")
 
 
 def reducing_activations() -> bool:
-    """Whether the reduction running now sums statistics of activations, not gradients
-    of weights: on some thread, the innermost frame that tells is a Keras layer's
-    `call` (a synchronized batch normalization's moments) or TensorFlow's gradient
-    computation (the moments' gradients), not an optimizer's method.
+    """Whether the reduction running now sums activations or their gradients, not
+    gradients of weights: the innermost frame that tells, on this thread or a replica
+    thread (`_stacks`), is a Keras layer's `call` (a synchronized batch normalization's
+    moments) or the gradient of a replica context's all-reduce (the moments'
+    gradients), not an optimizer's method.
 
     Such sums feed the forward and backward passes as they are, so they must be exact,
     and they are no training step."""
     for frame in _stacks():
         while frame is not None:
-            if frame.f_code is _BACKPROP_CODE:
+            if frame.f_code in _ALL_REDUCE_GRADS:
                 return True
             obj = frame.f_locals.get("self")
             if obj is not None:
@@ -208,12 +225,17 @@ def _is_keras(obj, *names: str) -> bool:
     return False
 
 
-def deferred_restores(trackable) -> dict[str, list]:
-    """`trackable`'s children that a `tf.train.Checkpoint` restore holds values for and
-    that do not exist yet (restored as soon as they are tracked), each with the shapes
-    of its saved values (None for what is no variable)."""
-    return {name: [p.value_shape() for p in positions]
-            for name, positions in trackable._deferred_dependencies.items()}  # pylint: disable=protected-access
+def deferred_restores(trackable) -> list[str]:
+    """Names of `trackable`'s children that a `tf.train.Checkpoint` restore holds values
+    for and that do not exist yet (restored as soon as they are tracked)."""
+    return list(trackable._deferred_dependencies)  # pylint: disable=protected-access
+
+
+def deferred_shapes(trackable, name: str) -> list:
+    """The shapes of the values a restore holds for `trackable`'s child `name` (None
+    for what is no variable)."""
+    positions = trackable._deferred_dependencies.get(name, ())  # pylint: disable=protected-access
+    return [p.value_shape() for p in positions]
 
 
 def keras_saveable_base() -> type:

@@ -47,11 +47,11 @@ def track_state(model, ops: CompressedAllReduce) -> None:
     on every worker (step counter, PowerSGD's Q, adaptive decisions) resumes exactly;
     local state (residuals, DGC momentum) resumes with the chief's values. Loaded state
     that no variable takes (written by another version or configuration of the
-    compressor, or under another `bucket_bytes`) is kept and saved again but restores
-    nothing, and a warning names it; so does a loaded value of another shape (another
-    PowerSGD rank, say), whose variable starts from its initial value. A tf_keras
-    model loaded from the SavedModel of a tracked model (`model.save`) brings its state
-    back: tracked again, it seeds `ops`' state.
+    compressor, or under another `bucket_bytes`) restores nothing, and a warning names
+    it (Keras weight files keep it and save it again); so does a loaded value of
+    another shape (another PowerSGD rank, say), whose variable starts from its initial
+    value. A tf_keras model loaded from the SavedModel of a tracked model (`model.save`)
+    brings its state back: tracked again, it seeds `ops`' state.
 
     Args:
       model: a Keras 3 or tf_keras model.

@@ -246,7 +246,8 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
             for i, r in zip(ours, self._run(reduce_op, [pairs[i] for i in ours], options, True)):
                 results[i] = r
         if rest:
-            narrowed = [self._narrow_sparse(pairs[i][0]) for i in rest]
+            narrowed = [self._narrow_sparse(pairs[i][0]) if compress else (pairs[i][0], None)
+                        for i in rest]
             exact = self._exact_ops.batch_reduce_implementation(
                 reduce_op, [(v, pairs[i][1]) for (v, _), i in zip(narrowed, rest)], options)
             for i, r, (_, dtype) in zip(rest, exact, narrowed):

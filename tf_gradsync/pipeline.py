@@ -154,10 +154,13 @@ class Pipeline:
                 dense.append(plain.total())
 
         # A step synchronises gradients: embedding gradients (IndexedSlices) alone are
-        # one too (a model of embeddings only), a scalar reduced by hand is not.
-        self.stats.record(_add(sent) // n, _add(dense) // n,
-                          count_step=bool(groups["compressed"] or compress and groups["sparse"]),
-                          errors=errors)
+        # one too (a model of embeddings only), a scalar reduced by hand is not. What is
+        # reduced exactly by request (sums of activations, single values) counts no
+        # bytes either, as across workers, where TensorFlow's collectives reduce it.
+        if compress:
+            self.stats.record(_add(sent) // n, _add(dense) // n,
+                              count_step=bool(groups["compressed"] or groups["sparse"]),
+                              errors=errors)
         return results  # type: ignore[return-value]
 
     # ----------------------------------------------------------------- stages

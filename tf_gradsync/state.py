@@ -75,7 +75,7 @@ class SyncState(tf.Module):
                     _assign(var, key, self._pending.values.pop(key))
                 # TensorFlow restores on insertion, and skips a value of another shape
                 # without a word.
-                for shape in _tf_compat.deferred_restores(self._variables).get(key, ()):
+                for shape in _tf_compat.deferred_shapes(self._variables, key):
                     if shape is not None and tuple(shape) != tuple(var.shape):
                         _warn_shape(key, shape, var.shape)
                 self._variables[key] = var
@@ -109,9 +109,10 @@ class SyncState(tf.Module):
 
     def seal(self, prefix: str) -> None:
         """Declares every variable whose key starts with `prefix` created (a bucket
-        plan's state, once traced). Loaded values under it that no variable took, now
-        or loaded later, are state of another version or configuration of the ops:
-        they are kept (and saved again) but restore nothing, and a warning names them."""
+        plan's state, once traced). Loaded values under it that no variable took (now,
+        or from a Keras weight file loaded later) are state of another version or
+        configuration of the ops: they restore nothing, and a warning names them; those
+        of Keras weight files are kept and saved again."""
         waiting = self._waiting()
         if prefix not in self._pending.sealed:
             self._pending.sealed.add(prefix)

@@ -148,6 +148,8 @@ class Context:
     def substate(self, prefix: str) -> dict[str, tf.Variable]:
         """The state kept under `prefix` (a wrapped compressor's, a chunk's), keyed
         without it."""
+        if isinstance(self.state, NoState):
+            return self.state
         return {k[len(prefix):]: v for k, v in self.state.items() if k.startswith(prefix)}
 
     def replica_seed(self) -> tf.Tensor:
@@ -267,16 +269,17 @@ class OptimizerRefused(ValueError):
 
 
 class NoState(collections.abc.Mapping):
-    """The state of a memoryless call (a payload sized from `Compressor.codec()`): empty,
-    and reading a field says why there is none."""
+    """The state of a memoryless call of `Compressor.codec()` (sizing a payload,
+    re-compressing a reduced chunk): empty, and reading a field says why there is none."""
 
     def __init__(self, compressor: "Compressor"):
         self._name = type(compressor).__name__
 
     def __getitem__(self, key: str):
         raise KeyError(f"{self._name}.compress read its state {key!r} in a memoryless call "
-                       "(a payload sized from codec()): a compressor whose compress reads "
-                       "state returns a form that keeps none from codec()")
+                       "(of its codec(): sizing a payload, re-compressing a reduced chunk): "
+                       "a compressor whose compress reads state returns a form that keeps "
+                       "none from codec()")
 
     def __iter__(self):
         return iter(())
@@ -348,6 +351,13 @@ class Compressor(abc.ABC):
     #: Static configurations picked at run time by `mode`.
     num_modes: int = 1
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        # A compressor of its own rounds has no codec that two phases could cut its
+        # bucket with, unless it says so.
+        if "splittable" not in cls.__dict__ and cls.compress is Compressor.compress:
+            cls.splittable = False
+
     def state_spec(self, layout: Layout) -> dict[str, StateSpec]:
         """State this compressor keeps per bucket and replica (none by default)."""
         del layout
@@ -393,9 +403,6 @@ class Compressor(abc.ABC):
         """
         recorded = len(ctx.errors) if ctx.errors is not None else 0
         payload, meta = xla.compress(self, x, ctx)
-        if tf.is_tensor(payload) or not isinstance(payload, (tuple, list)):
-            raise TypeError(f"{type(self).__name__}.compress must return (payload, meta), "
-                            f"the payload a tuple of tensors; got a {type(payload).__name__}")
         payload = tuple(payload)
         # `compress` may record the error of what it really compressed (DGC: its
         # accumulated velocity); otherwise x against what the payload decodes to.
@@ -744,7 +751,8 @@ class Wrapper(Compressor):
         self.inner = inner
         self.accuracy = inner.accuracy
         self.splittable = inner.splittable
-        self.summable = inner.summable
+        self.summable, self.unbiased = inner.summable, inner.unbiased
+        self.has_own_memory = inner.has_own_memory
         self.prescale = inner.prescale
         self.floating_only = inner.floating_only
         self.xla_decode, self.xla_compress = inner.xla_decode, inner.xla_compress
@@ -937,7 +945,7 @@ def register(name: str):
             raise TypeError(f"register({name!r}) decorates a Compressor subclass, got {cls!r}")
         missing = [m for m in ("compress", "decompress")
                    if getattr(cls, m) is getattr(Compressor, m)]
-        if missing and cls.rounds is Compressor.rounds:
+        if missing and cls.rounds is Compressor.rounds and cls.encode is Compressor.encode:
             raise TypeError(f"compressor {name!r} ({cls.__qualname__}) does not implement "
                             f"{' and '.join(missing)}: a one-round compressor implements "
                             "compress and decompress, one of several rounds overrides rounds")
@@ -950,6 +958,9 @@ def register(name: str):
         if own and own != name and _REGISTRY.get(own) is cls:
             raise ValueError(f"{cls.__qualname__} is already registered as {own!r}; a class "
                              f"has one name (subclass it to register it as {name!r})")
+        if old is not None and old is not cls:
+            warnings.warn(f"compressor {name!r} redefined: {cls.__module__}.{cls.__qualname__} "
+                          "replaces the class registered before", stacklevel=2)
         cls.name = name
         _REGISTRY[name] = cls
         return cls

@@ -59,6 +59,7 @@ class ErrorFeedback(Wrapper):
                              "memory (has_own_memory) or several rounds keep their own residual; "
                              "allowed: single-round compressors without memory")
         super().__init__(inner)
+        self.unbiased = False
         self.num_modes = inner.num_modes
 
     def state_spec(self, layout: Layout) -> dict[str, StateSpec]:
@@ -119,6 +120,7 @@ def with_error_feedback(compressor: Compressor, enabled: bool | None) -> Compres
                          "back; leave error_feedback unset")
     if enabled is None:
         enabled = compressor.default_error_feedback
-        if enabled is None:
-            enabled = not compressor.unbiased and not compressor.has_own_memory
+        if enabled is None:     # a compressor of its own rounds keeps its own residual
+            enabled = (not compressor.unbiased and not compressor.has_own_memory
+                       and type(compressor).compress is not Compressor.compress)
     return ErrorFeedback(compressor) if enabled else compressor

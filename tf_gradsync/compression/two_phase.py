@@ -156,11 +156,11 @@ def rounds(compressor: Compressor, x: tf.Tensor, ctx: Context) -> Rounds:
     summed = xla.decode(compressor, ctx, lambda r: compressor.combine(r, metas[me]), received)
     # Records no error: not the replicas' compression.
     if _owner_feedback(compressor):
-        server = dataclasses.replace(_server_context(ctx, me),
+        server = dataclasses.replace(_server_context(ctx, me, codec),
                                      state={"residual": ctx.state[SERVER]})
         reduced, meta = ErrorFeedback(codec).encode(tf.cast(summed, x.dtype), server)
     else:
-        reduced, meta = codec.encode(tf.cast(summed, x.dtype), _server_context(ctx, me))
+        reduced, meta = codec.encode(tf.cast(summed, x.dtype), _server_context(ctx, me, codec))
 
     # What every other owner sends is decoded with the meta the codec gives its chunk;
     # compressing zeros only to learn it and the payload's shapes adds no work to a
@@ -171,7 +171,8 @@ def rounds(compressor: Compressor, x: tf.Tensor, ctx: Context) -> Rounds:
             payload, m = reduced, meta
         else:
             lo, hi = chunks.bounds(j)
-            payload, m = codec.compress(tf.zeros([hi - lo], x.dtype), _server_context(ctx, j))
+            payload, m = codec.compress(tf.zeros([hi - lo], x.dtype),
+                                        _server_context(ctx, j, codec))
         likes.append(_specs(payload))
         server_metas.append(m)
     gathered = yield Message(reduced, GATHER, like=tuple(likes))
@@ -183,9 +184,10 @@ def rounds(compressor: Compressor, x: tf.Tensor, ctx: Context) -> Rounds:
     return tf.cast(result, x.dtype)
 
 
-def _server_context(ctx: Context, j: int) -> Context:
-    """The context an owner re-compresses chunk `j` in: no state, its own noise."""
-    return dataclasses.replace(chunk_context(ctx, j), state={}, errors=None,
+def _server_context(ctx: Context, j: int, codec: Compressor) -> Context:
+    """The context an owner re-compresses chunk `j` with `codec` in: no state, its own
+    noise."""
+    return dataclasses.replace(chunk_context(ctx, j), state=NoState(codec), errors=None,
                                replica=(ctx.replica + 0x2545F491) % (1 << 30))
 
 

@@ -47,7 +47,6 @@ class Warmup(Wrapper):
         _util.check_number("steps", steps, 0, integer=True)
         super().__init__(get(inner))
         self.steps = steps
-        self.unbiased, self.has_own_memory = self.inner.unbiased, self.inner.has_own_memory
         self.default_error_feedback = False     # the inner one decides its own
         self.num_modes = 1 + self.inner.num_modes
 

@@ -84,14 +84,25 @@ def compress(compressor, x: tf.Tensor, ctx):
     (`Context.jit_compile`) and the compressor's compress compiles (`xla_compress`:
     its meta then holds no tensors, only Python values)."""
     if not (ctx.jit_compile and compressor.xla_compress):
-        return compressor.compress(x, ctx)
+        return _checked(compressor, *compressor.compress(x, ctx))
     metas = []
 
     def payload(v):
-        sent, meta = compressor.compress(v, ctx)
+        sent, meta = _checked(compressor, *compressor.compress(v, ctx))
         metas.append(meta)
-        return tuple(sent)
+        return sent
     return call(payload, x), metas[0]
+
+
+def _checked(compressor, payload, meta) -> tuple[tuple, Any]:
+    """`(payload, meta)`, the payload a tuple of tensors, or an error that says so."""
+    if tf.is_tensor(payload) or not isinstance(payload, (tuple, list)) or not all(
+            tf.is_tensor(t) for t in payload):
+        got = type(payload).__name__ if tf.is_tensor(payload) or not isinstance(
+            payload, (tuple, list)) else [type(t).__name__ for t in payload]
+        raise TypeError(f"{type(compressor).__name__}.compress must return (payload, meta), "
+                        f"the payload a tuple of tensors; got {got}")
+    return tuple(payload), meta
 
 
 def stage(ctx, fn: Callable[..., Any], *args) -> Any:
