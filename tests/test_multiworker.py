@@ -225,6 +225,22 @@ def test_two_workers_of_two_devices_match_four_devices_of_one_process(tmp_path, 
 
 
 @pytest.mark.slow
+def test_ops_that_exchange_otherwise_describe_themselves_otherwise():
+    """Workers compare their ops by description: every setting that changes what
+    travels is in it. `jit_compile` picks gather or two phases for top-k at 3 to 6
+    workers, and workers that disagreed waited in collectives that never matched."""
+    base = gs.CompressedAllReduce("topk")
+    for other in (gs.CompressedAllReduce("topk", jit_compile=False),
+                  gs.CompressedAllReduce("topk", exchange="gather"),
+                  gs.CompressedAllReduce("topk", bucket_bytes=1 << 20),
+                  gs.CompressedAllReduce("topk", algorithm="ring"),
+                  gs.CompressedAllReduce("topk", warmup_steps=2),
+                  gs.CompressedAllReduce("topk", guard=True),
+                  gs.CompressedAllReduce(gs.compression.get("topk", ratio=0.1))):
+        assert repr(other) != repr(base)
+    assert repr(gs.CompressedAllReduce("topk")) == repr(base)
+
+
 def test_workers_of_different_ops_stop_at_once_naming_their_ops(tmp_path):
     """A worker built with another compressor would meet the others in collectives of
     other keys and shapes and wait there forever (top-k against fp16 did, without a

@@ -102,6 +102,7 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
         self._algorithm = algorithm
         self._exchange = exchange
         self._bucket_bytes = bucket_bytes
+        self._jit_compile = jit_compile
         # Every variable (compressor state, counters) lives in one tracked SyncState, so
         # checkpointing these ops (directly, or through `track_state(model, ops)`) saves it.
         self._state = SyncState()
@@ -217,8 +218,10 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
         self._stats.start_at(step)
 
     def __repr__(self) -> str:
+        # Everything that shapes the exchanges: workers check that theirs agree by it.
         return (f"CompressedAllReduce({self._compressor!r}, bucket_bytes={self._bucket_bytes}, "
-                f"algorithm={self._algorithm!r}, exchange={self._exchange!r})")
+                f"algorithm={self._algorithm!r}, exchange={self._exchange!r}, "
+                f"jit_compile={self._jit_compile})")
 
     # ------------------------------------------------------------ CrossDeviceOps
     def reduce_implementation(self, reduce_op, per_replica_value, destinations, options):
