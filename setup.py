@@ -6,7 +6,11 @@ setup(
     description="Compressed, bucketed gradient all-reduce for tf.distribute",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
-    packages=find_packages(include=["tf_gradsync", "tf_gradsync.*"]),
+    # The presets of configs/ install as tf_gradsync/configs, where `load_config` finds
+    # them by name.
+    packages=find_packages(include=["tf_gradsync", "tf_gradsync.*"]) + ["tf_gradsync.configs"],
+    package_dir={"tf_gradsync.configs": "configs"},
+    package_data={"tf_gradsync.configs": ["*.yaml"]},
     python_requires=">=3.9",
     install_requires=["tensorflow>=2.16", "numpy", "absl-py", "pyyaml"],
     extras_require={

@@ -47,9 +47,16 @@ def define_flags():
                       "Keras verbosity: 1 progress bar, 2 a line per epoch, 0 none.")
     flags.register_validator("learning_rate", lambda r: r is None or r > 0,
                              "--learning_rate must be > 0")
-    flags.register_validator("config", lambda p: p is None or os.path.isfile(p),
-                             "--config: no such file")
+    flags.register_validator("config", _config_found,
+                             "--config: no such file, nor a shipped preset (gs.presets())")
     check_batch_flags()
+
+
+def _config_found(path: str | None) -> bool:
+    if path is None or os.path.isfile(path):
+        return True
+    import tf_gradsync as gs
+    return os.path.splitext(os.path.basename(path))[0] in gs.presets()
 
 
 #: Images in the training split of `load_data`.

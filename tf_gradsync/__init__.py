@@ -26,6 +26,7 @@ _EXPORTS = {
     "logical_cpus": ("tf_gradsync.devices", "logical_cpus"),
     "parse_config": ("tf_gradsync.config", "parse_config"),
     "plan_buckets": ("tf_gradsync.bucketing", "plan_buckets"),
+    "presets": ("tf_gradsync.config", "presets"),
     "track_state": ("tf_gradsync.checkpoint", "track_state"),
 }
 
@@ -61,5 +62,6 @@ __all__ = [
     "logical_cpus",
     "parse_config",
     "plan_buckets",
+    "presets",
     "track_state",
 ]

@@ -17,6 +17,7 @@ import dataclasses
 import math
 import numbers
 import os
+from pathlib import Path
 from typing import Any, Mapping
 
 import numpy as np
@@ -27,6 +28,14 @@ from tf_gradsync import algorithms, compression
 #: gradients exist (BENCHMARKS.md, timeline: one host 1.04x ReductionToOneDevice
 #: against 1.41x with 32 MiB buckets, ResNet-50 on two workers 8% faster).
 DEFAULT_BUCKET_BYTES = 4 * 2**20
+
+#: Where the presets live: installed with the package, or configs/ of a source checkout.
+_PRESET_DIRS = (Path(__file__).parent / "configs", Path(__file__).parent.parent / "configs")
+
+
+def presets() -> list[str]:
+    """Names of the presets shipped with the package (`load_config("fp16")`)."""
+    return sorted({p.stem for d in _PRESET_DIRS if d.is_dir() for p in d.glob("*.yaml")})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +56,9 @@ class SyncConfig:
     exchange: str = "auto"
     timeout_seconds: float | None = None
     warmup_steps: int = 0
+    measure_error: bool = True
     guard: bool = False
+    jit_compile: bool = True
 
     def __post_init__(self):
         if self.compression not in compression.names():
@@ -68,7 +79,8 @@ class SyncConfig:
         check_settings(error_feedback=self.error_feedback, bucket_bytes=self.bucket_bytes,
                        algorithm=self.algorithm, exchange=self.exchange,
                        timeout_seconds=self.timeout_seconds, warmup_steps=self.warmup_steps,
-                       guard=self.guard)
+                       measure_error=self.measure_error, guard=self.guard,
+                       jit_compile=self.jit_compile)
 
     def build(self):
         """Returns a `CompressedAllReduce` with these settings."""
@@ -78,7 +90,7 @@ class SyncConfig:
             error_feedback=self.error_feedback, bucket_bytes=self.bucket_bytes,
             algorithm=self.algorithm, exchange=self.exchange,
             timeout_seconds=self.timeout_seconds, warmup_steps=self.warmup_steps,
-            guard=self.guard)
+            measure_error=self.measure_error, guard=self.guard, jit_compile=self.jit_compile)
 
 
 def check_bucket_bytes(bucket_bytes) -> None:
@@ -134,14 +146,15 @@ def parse_config(source: str | os.PathLike | Mapping[str, Any]) -> SyncConfig:
         parse (or asks for Python objects: files are read with `yaml.safe_load`), an
         empty file or one without `compression`, a key given twice, unknown keys
         (listing the valid ones) or bad values; a file's errors start with its path.
-      FileNotFoundError: for a missing file.
+      FileNotFoundError: for a missing file that names no shipped preset (the message
+        lists them).
     """
     if isinstance(source, Mapping):
         return _validated(dict(source))
     if not isinstance(source, (str, os.PathLike)):
         raise ValueError(f"a preset is a YAML path or a mapping, got {source!r}")
-    path = os.fspath(source)
-    with open(source, encoding="utf-8") as f:
+    path = _preset_or(os.fspath(source))
+    with open(path, encoding="utf-8") as f:
         text = f.read()
     try:
         data = _load_yaml(text)
@@ -156,6 +169,21 @@ def parse_config(source: str | os.PathLike | Mapping[str, Any]) -> SyncConfig:
         return _validated(data)
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from None
+
+
+def _preset_or(path: str) -> str:
+    """`path`, or the shipped preset it names when no such file exists: "fp16", or
+    "configs/fp16.yaml" as a source checkout has it, from anywhere."""
+    if os.path.exists(path):
+        return path
+    name = Path(path).name
+    name = name[:-len(".yaml")] if name.endswith(".yaml") else name
+    if Path(path).parent.name in ("", "configs"):
+        for d in _PRESET_DIRS:
+            if (d / f"{name}.yaml").is_file():
+                return str(d / f"{name}.yaml")
+    raise FileNotFoundError(f"no preset file {path!r}; the shipped presets, by name: "
+                            f"{', '.join(presets())}")
 
 
 def _validated(data: dict) -> SyncConfig:
@@ -194,12 +222,13 @@ def load_config(source: str | os.PathLike | Mapping[str, Any]):
     """Loads a preset and returns a ready `CompressedAllReduce`.
 
     Args:
-      source: path of a YAML file (see `configs/`) or an equivalent mapping.
+      source: path of a YAML file, the name of a shipped preset (`presets()`: "fp16",
+        "topk-1pct", ...; "configs/fp16.yaml" finds it too) or an equivalent mapping.
 
     Returns:
       A configured `tf_gradsync.CompressedAllReduce`.
 
     Example:
-      >>> ops = tf_gradsync.load_config("configs/fp16.yaml")
+      >>> ops = tf_gradsync.load_config("fp16")
     """
     return parse_config(source).build()

@@ -209,6 +209,8 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
                 **self._compressor.report(self._pipeline.bucket_states())}
 
     def reset_stats(self) -> None:
+        """Zeroes the counters `stats()` reports (bytes per epoch, say); the step counter
+        that drives the compressors' schedules runs on."""
         self._stats.reset()
 
     def start_at_step(self, step: int) -> None:
