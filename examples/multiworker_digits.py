@@ -1,4 +1,4 @@
-"""Multi-worker digits training with compressed gradient all-reduce.
+r"""Multi-worker digits training with compressed gradient all-reduce.
 
 Run it through the launcher, which starts the workers with a TF_CONFIG each:
 
