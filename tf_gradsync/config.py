@@ -176,8 +176,7 @@ def _preset_or(path: str) -> str:
     "configs/fp16.yaml" as a source checkout has it, from anywhere."""
     if os.path.exists(path):
         return path
-    name = Path(path).name
-    name = name[:-len(".yaml")] if name.endswith(".yaml") else name
+    name = Path(path).name.removesuffix(".yaml")
     if Path(path).parent.name in ("", "configs"):
         for d in _PRESET_DIRS:
             if (d / f"{name}.yaml").is_file():

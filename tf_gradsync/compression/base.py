@@ -350,12 +350,14 @@ class Compressor(abc.ABC):
     xla_compress: ClassVar[bool] = False
     #: Static configurations picked at run time by `mode`.
     num_modes: int = 1
+    #: Whether it has a one-round codec (`compress`), derived per class: one of its own
+    #: rounds has none to wrap in error feedback or to cut into two phases.
+    one_round: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        # A compressor of its own rounds has no codec that two phases could cut its
-        # bucket with, unless it says so.
-        if "splittable" not in cls.__dict__ and cls.compress is Compressor.compress:
+        cls.one_round = cls.compress is not Compressor.compress
+        if "splittable" not in cls.__dict__ and not cls.one_round:
             cls.splittable = False
 
     def state_spec(self, layout: Layout) -> dict[str, StateSpec]:

@@ -54,7 +54,7 @@ class ErrorFeedback(Wrapper):
 
     def __init__(self, inner: Compressor | str):
         inner = get(inner).for_error_feedback()
-        if inner.has_own_memory or type(inner).compress is Compressor.compress:
+        if inner.has_own_memory or not inner.one_round:
             raise ValueError(f"ErrorFeedback cannot wrap {inner!r}: compressors with their own "
                              "memory (has_own_memory) or several rounds keep their own residual; "
                              "allowed: single-round compressors without memory")
@@ -122,5 +122,5 @@ def with_error_feedback(compressor: Compressor, enabled: bool | None) -> Compres
         enabled = compressor.default_error_feedback
         if enabled is None:     # a compressor of its own rounds keeps its own residual
             enabled = (not compressor.unbiased and not compressor.has_own_memory
-                       and type(compressor).compress is not Compressor.compress)
+                       and compressor.one_round)
     return ErrorFeedback(compressor) if enabled else compressor

@@ -64,7 +64,7 @@ class Guard(Compressor):
         _util.check_number("window", window, 1, integer=True)
         self.inner, self.fallback = get(inner), get(fallback)
         # Encoding alone gives the error of a single-round codec; others run in full.
-        self._encodes = type(self.inner.codec()).compress is not Compressor.compress
+        self._encodes = self.inner.codec().one_round
         self.bound, self.window = bound, window
         self.num_modes = self.inner.num_modes + self.fallback.num_modes
         self.summable = self.inner.summable

@@ -96,10 +96,9 @@ def compress(compressor, x: tf.Tensor, ctx):
 
 def _checked(compressor, payload, meta) -> tuple[tuple, Any]:
     """`(payload, meta)`, the payload a tuple of tensors, or an error that says so."""
-    if tf.is_tensor(payload) or not isinstance(payload, (tuple, list)) or not all(
-            tf.is_tensor(t) for t in payload):
-        got = type(payload).__name__ if tf.is_tensor(payload) or not isinstance(
-            payload, (tuple, list)) else [type(t).__name__ for t in payload]
+    sequence = isinstance(payload, (tuple, list))    # a tensor is neither
+    if not sequence or not all(tf.is_tensor(t) for t in payload):
+        got = [type(t).__name__ for t in payload] if sequence else type(payload).__name__
         raise TypeError(f"{type(compressor).__name__}.compress must return (payload, meta), "
                         f"the payload a tuple of tensors; got {got}")
     return tuple(payload), meta
