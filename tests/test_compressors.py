@@ -587,6 +587,27 @@ def test_gather_many_pads_to_one_capacity_for_the_compiled_gather():
     assert lengths and set(lengths) == {64}
 
 
+@pytest.mark.parametrize("host", [True, False])
+def test_nonzero_gives_the_positions_of_a_mask_in_order(host, monkeypatch):
+    """A mask's positions, numpy's compaction on a CPU and `tf.where` elsewhere, equal
+    numpy's `flatnonzero` (empty, none, all and a random tenth true), eagerly and traced;
+    on this machine's CPU the numpy one is the one taken."""
+    if not host:
+        monkeypatch.setattr(_selection, "_on_host", lambda t: False)
+    rng = np.random.default_rng(3)
+    for mask in (np.zeros(0, bool), np.zeros(70, bool), np.ones(70, bool),
+                 rng.random(100_003) < 0.1):
+        want = np.flatnonzero(mask)
+        traced = tf.function(_selection.nonzero)
+        for got in (_selection.nonzero(tf.constant(mask)), traced(tf.constant(mask))):
+            assert got.dtype == tf.int32
+            np.testing.assert_array_equal(got.numpy(), want)
+    graph = tf.function(_selection.nonzero).get_concrete_function(
+        tf.TensorSpec([None], tf.bool)).graph
+    kinds = {op.type for op in graph.get_operations()}
+    assert any("PyFunc" in kind for kind in kinds) == host, kinds
+
+
 def test_randomk_cyclic_covers_every_entry_once_per_cycle():
     c = C.get("randomk", ratio=0.1, cyclic=True)
     x = rand(N, scales=SCALES)

@@ -109,13 +109,38 @@ def top_k_entries(x: tf.Tensor, k: int, full: tf.Tensor | bool = False,
     if n < LARGE or 2 * r > s:
         return everything()
     thr = _kth_largest(sample_magnitudes(x, s, _TOPK_SEED), r)
-    cand = tf.cast(tf.where(stage(_reach, x, thr))[:, 0], tf.int32)
+    cand = nonzero(stage(_reach, x, thr))
     enough = (tf.size(cand) >= k) & tf.logical_not(full)
     capacity = _capacity(n, s, r)
     idx, values = tf.cond(
         enough, lambda: _top_of_candidates(cand, gather_many(x, cand, capacity, stage), k,
                                            capacity, stage), everything)
     return tf.ensure_shape(idx, [k]), tf.ensure_shape(values, [k])
+
+
+def _flatnonzero(mask: np.ndarray) -> np.ndarray:
+    return np.flatnonzero(mask).astype(np.int32)
+
+
+def _on_host(t: tf.Tensor) -> bool:
+    """Whether `t` lives on a CPU: its placement, or, unplaced, no GPU in sight."""
+    spec = tf.DeviceSpec.from_string(t.device or "")
+    if spec.device_type:
+        return spec.device_type == "CPU"
+    return not tf.config.list_logical_devices("GPU")
+
+
+def nonzero(mask: tf.Tensor) -> tf.Tensor:
+    """int32 positions of the true entries of the 1-D bool `mask`, in order.
+
+    On a CPU through numpy, whose loop writes every position and advances by the flag
+    instead of branching on it as TensorFlow's `Where` does (25M flags, a tenth true,
+    one core: 9 ms against 28); numpy lets go of the interpreter lock meanwhile, so
+    replicas still compact side by side. Elsewhere `tf.where`."""
+    if _on_host(mask):
+        out = tf.numpy_function(_flatnonzero, [mask], tf.int32, stateful=False)
+        return tf.ensure_shape(out, [None])
+    return tf.cast(tf.where(mask)[:, 0], tf.int32)
 
 
 def _reach(x: tf.Tensor, threshold: tf.Tensor) -> tf.Tensor:
@@ -201,12 +226,12 @@ def _top_of_candidates(cand: tf.Tensor, values: tf.Tensor, k: int, capacity: int
     `stage`)."""
     mag = tf.abs(values)
     b, cut, above = _binned(mag, k)
-    inside = tf.cast(tf.where(tf.equal(b, cut))[:, 0], tf.int32)
+    inside = nonzero(tf.equal(b, cut))
     # top_k prefers lower indices among ties; the bin's candidates are in index order.
     top = tf.gather(inside, tf.math.top_k(tf.gather(mag, inside), k - above,
                                           sorted=False).indices)
     keep = tf.tensor_scatter_nd_update(b > cut, top[:, None], tf.ones_like(top, tf.bool))
-    positions = tf.ensure_shape(tf.cast(tf.where(keep)[:, 0], tf.int32), [k])
+    positions = tf.ensure_shape(nonzero(keep), [k])
     idx, kept = _take([cand, values], positions, capacity, stage)
     return idx, kept
 
@@ -246,7 +271,7 @@ def select(x: tf.Tensor, k: int, seed: tf.Tensor, sample_ratio: float,
     # At least the smallest normal number: zeros are never candidates.
     tiny = tf.constant(np.finfo(x.dtype.as_numpy_dtype).tiny, x.dtype)
     chosen = stage(_reach, x, tf.maximum(thr, tiny))
-    cand = tf.cast(tf.where(chosen)[:, 0], tf.int32)
+    cand = nonzero(chosen)
 
     def ranked():
         capacity = _capacity(n, s, r)

@@ -1,8 +1,9 @@
 """Helpers shared by the compressors: argument checks, work dtypes, finiteness.
 
 Everything in this package's helper modules (`_bits`, `_sparse`, `_segments`,
-`_selection`, `_draws`) is built from TensorFlow ops only, so it runs inside
-`tf.function` on the device that holds the bucket.
+`_selection`, `_draws`) is built from TensorFlow ops, so it runs inside `tf.function`
+on the device that holds the bucket; one exception, a mask's positions on a CPU, goes
+through numpy (`_selection.nonzero`).
 """
 
 from __future__ import annotations
