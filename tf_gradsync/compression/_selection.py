@@ -282,7 +282,7 @@ def select(x: tf.Tensor, k: int, seed: tf.Tensor, sample_ratio: float,
     def padded():
         # Every candidate, then the first entries that are not candidates: padding at
         # distinct indices lets a payload decode by placement.
-        rest = tf.cast(tf.where(~chosen)[:, 0], tf.int32)
+        rest = nonzero(~chosen)
         idx = tf.concat([cand, rest], 0)[:k]
         return idx, tf.range(k) < tf.size(cand), tf.gather(x, idx)
     idx, valid, values = tf.cond(tf.size(cand) >= k, ranked, padded)
