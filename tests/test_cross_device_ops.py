@@ -230,6 +230,45 @@ def test_models_of_one_shape_in_their_own_functions_keep_their_own_state(devices
     assert train(c, step_c) == 0.0           # retraced or not, c keeps its slot
 
 
+@pytest.mark.parametrize("name, kwargs", [("topk", {}), ("sign", {}),
+                                          ("powersgd", {"start_iter": 0})])
+def test_heads_of_one_shape_trained_in_turn_by_one_optimizer_keep_their_own_state(
+        devices, name, kwargs):
+    """One optimizer training heads of one shape in turn (tasks taking turns), each
+    head's step in a trace of its own (one function retraced by a Python argument) or a
+    function of its own: a head whose gradient is zero stays where it is. With the
+    state keyed by the optimizer alone, it took the other head's residual."""
+    ops = gs.CompressedAllReduce(gs.compression.get(name, **kwargs))
+    strategy = tf.distribute.MirroredStrategy(devices, cross_device_ops=ops)
+    with strategy.scope():
+        heads = [tf.keras.layers.Dense(64) for _ in range(3)]
+        for head in heads:
+            head.build((None, 50))
+        optimizer = tf.keras.optimizers.SGD(0.1)
+        optimizer.build([v for head in heads for v in head.trainable_variables])
+
+    def train(head, scale, seed):
+        def fn():
+            ctx = tf.distribute.get_replica_context()
+            x = tf.random.stateless_normal([8, 50], [seed, ctx.replica_id_in_sync_group])
+            with tf.GradientTape() as tape:
+                loss = scale * tf.reduce_mean(head(x) ** 2)
+            variables = head.trainable_variables
+            optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))
+        strategy.run(fn)
+
+    retraced = tf.function(lambda task, seed: train(heads[task], float(task == 0), seed))
+    own = tf.function(lambda seed: train(heads[2], 0.0, seed))
+    before = [[v.numpy() for v in head.trainable_variables] for head in heads]
+    for seed in range(3):
+        retraced(0, tf.constant(seed))
+        retraced(1, tf.constant(seed))
+        own(tf.constant(seed))
+    moved = [max(float(np.abs(v.numpy() - b).max()) for v, b in zip(head.trainable_variables, old))
+             for head, old in zip(heads, before)]
+    assert moved[0] > 0 and moved[1:] == [0.0, 0.0], moved
+
+
 def test_a_restored_model_after_a_dropped_one_keeps_the_restored_state(devices, tmp_path):
     """A model built after another was dropped, then restored from a checkpoint (its
     optimizer has taken steps), takes over the dropped one's slot with the state the

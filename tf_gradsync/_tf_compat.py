@@ -159,18 +159,42 @@ def _stacks() -> list:
     return [frames[i] for i in [threading.get_ident()] + replicas if i in frames]
 
 
-def calling_optimizer():
-    """The Keras optimizer applying gradients right now, or None.
+def calling_optimizer() -> tuple:
+    """`(optimizer, variables)`: the Keras optimizer applying gradients right now and the
+    variables it applies them to (None where its frames do not tell), or `(None, None)`.
 
     Gradient all-reduces run inside the optimizer's `apply_gradients` (Keras 3 and
-    tf_keras alike), whose frames may be on a replica thread (`_stacks`).
+    tf_keras alike), whose frames may be on a replica thread (`_stacks`) and hold the
+    pairs of gradients and variables (`grads_and_vars`) or the variables alone
+    (`trainable_variables`, `var_list`).
     """
     for frame in _stacks():
+        optimizer = None
         while frame is not None:
             obj = frame.f_locals.get("self")
             if obj is not None and _is_keras_optimizer(obj):
-                return obj
+                if optimizer is None:
+                    optimizer = obj
+                variables = _applied_variables(frame.f_locals)
+                if variables is not None:
+                    return optimizer, variables
             frame = frame.f_back
+        if optimizer is not None:
+            return optimizer, None
+    return None, None
+
+
+def _applied_variables(names: dict) -> tuple | None:
+    """The variables an optimizer's frame applies gradients to, from its locals; None
+    if it holds none as a list (an iterator is not read: that would consume it)."""
+    pairs = names.get("grads_and_vars")
+    if isinstance(pairs, (list, tuple)) and pairs and all(
+            isinstance(p, (list, tuple)) and len(p) == 2 for p in pairs):
+        return tuple(v for _, v in pairs)
+    for name in ("trainable_variables", "var_list"):
+        variables = names.get(name)
+        if isinstance(variables, (list, tuple)) and variables:
+            return tuple(variables)
     return None
 
 

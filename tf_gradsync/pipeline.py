@@ -117,11 +117,12 @@ class Pipeline:
                                         "dynamic": []}
         for i, v in enumerate(values):
             groups[path_of(v, compress)].append(i)
-        # The optimizer applying the gradients (a walk over every thread's frames, made
-        # only for what is bucketed) owns the state they reduce through.
-        optimizer = (_tf_compat.calling_optimizer() if groups["compressed"] or groups["exact"]
-                     else None)
-        owner = _Owner(optimizer)
+        # The optimizer applying the gradients, for the variables it applies them to (a
+        # walk over the reduction's threads' frames, made only for what is bucketed),
+        # owns the state they reduce through.
+        optimizer, variables = (_tf_compat.calling_optimizer()
+                                if groups["compressed"] or groups["exact"] else (None, None))
+        owner = _Owner(optimizer, variables)
         if groups["compressed"]:
             if optimizer is not None:
                 self.compressor.check_optimizer(optimizer)
@@ -350,13 +351,17 @@ class Pipeline:
 
 
 class _Owner:
-    """Whose reduction it is: the optimizer applying the gradients, held weakly, or no
-    one (values all-reduced by hand), who never dies. Equal when the optimizer is, and
-    while it lives (a dead owner equals nothing, itself included)."""
+    """Whose reduction it is: the optimizer applying the gradients, for the variables it
+    applies them to (one optimizer may train heads of one shape in turn: each has state
+    of its own), held weakly; or no one (values all-reduced by hand), who never dies.
+    Equal when the optimizer and the variables are, and while they live (a dead owner
+    equals nothing, itself included)."""
 
-    def __init__(self, optimizer):
+    def __init__(self, optimizer, variables: Sequence | None = None):
         self._ref = None if optimizer is None else weakref.ref(optimizer)
-        self._id = None if optimizer is None else id(optimizer)
+        variables = () if optimizer is None or variables is None else tuple(variables)
+        self._vars = [r for r in map(_weak, variables) if r is not None]
+        self._id = None if optimizer is None else (id(optimizer), tuple(map(id, variables)))
 
     @property
     def mortal(self) -> bool:
@@ -364,7 +369,8 @@ class _Owner:
         return self._ref is not None
 
     def dead(self) -> bool:
-        return self._ref is not None and self._ref() is None
+        return self._ref is not None and (self._ref() is None
+                                          or any(r() is None for r in self._vars))
 
     def fresh(self) -> bool:
         """Whether the optimizer has taken no step yet (it has no iteration count: no)."""
@@ -381,6 +387,14 @@ class _Owner:
 
     def __hash__(self) -> int:
         return hash(self._id)
+
+
+def _weak(obj) -> weakref.ref | None:
+    """A weak reference to `obj`, or None for an object that takes none."""
+    try:
+        return weakref.ref(obj)
+    except TypeError:
+        return None
 
 
 def _state_prefix(compressor: Compressor, plan: BucketPlan) -> str:
