@@ -27,7 +27,7 @@ def _cli(*args, timeout=300, cwd=None):
 
 
 def test_rows_are_the_cost_models_predictions():
-    specs = plan.specs_of(None, 1_000_000)
+    specs = plan.gradients_of(None, 1_000_000)[0]
     rows = plan.plan(specs, ["fp16", "topk", "powersgd"], [2, 8], ["100mbit", "10gbit"], 0.05)
     assert len(rows) == 2 * 2 * (2 + 2 + 2)         # (workers, rate) x exchanges
     for r in rows:
@@ -51,7 +51,7 @@ def test_a_specs_own_ops_settings_are_priced_as_they_run():
     is the only row, a bucket size plans the payloads, and a guard (which cannot cut a
     bucket into chunks) travels gathered, its inner compressor's payload and the
     guard's own error terms."""
-    specs = plan.specs_of(None, 1_000_000)
+    specs = plan.gradients_of(None, 1_000_000)[0]
     rows = plan.plan(specs, ["topk", "topk:exchange=two_phase", "topk:bucket_bytes=65536",
                              "topk:guard=true"], [8], ["1gbit"], 0.05)
     by = {(r["compressor"], r["exchange"]): r for r in rows}
@@ -77,7 +77,7 @@ def test_a_specs_own_ops_settings_are_priced_as_they_run():
 
 
 def test_several_devices_per_worker_price_what_the_job_runs():
-    specs = plan.specs_of(None, 1_000_000)
+    specs = plan.gradients_of(None, 1_000_000)[0]
     local = Link(10e-6, parse_bandwidth("100gbit"))
     rows = plan.plan(specs, ["fp16", "topk"], [1, 2], ["1gbit"], 0.05, devices=4,
                      local_link=local)
@@ -104,7 +104,7 @@ def test_calibration_measures_each_data_path_and_its_cost_per_call():
     assert rates.keys() == calls.keys() == {"none", "sign"}
     assert all(r > 0 for r in rates.values()) and all(c >= 0 for c in calls.values())
     # Priced per bucket, and per chunk in two phases.
-    specs = plan.specs_of(None, 1_000_000)
+    specs = plan.gradients_of(None, 1_000_000)[0]
     base = plan.plan(specs, ["sign"], [4], ["1gbit"], 0.01, throughput=rates)
     called = plan.plan(specs, ["sign"], [4], ["1gbit"], 0.01, throughput=rates,
                        call_s={"sign": 1e-3})
@@ -126,7 +126,33 @@ def test_a_saved_model_is_read_by_path(tmp_path):
     model = tf.keras.Sequential([tf.keras.Input((7,)), tf.keras.layers.Dense(3)])
     path = str(tmp_path / "m.keras")
     model.save(path)
-    assert plan.specs_of(path, None) == [((7, 3), tf.float32), ((3,), tf.float32)]
+    assert plan.gradients_of(path, None)[0] == [((7, 3), tf.float32), ((3,), tf.float32)]
+
+
+@pytest.mark.parametrize("name", ["none", "fp16", "topk", "sign"])
+def test_embedding_tables_are_priced_as_the_rows_they_gather(devices, tmp_path, name):
+    """An Embedding's gradient is the rows it looked up, gathered as they are (fp16
+    halves their values), not its table compressed: the planner's bytes per worker for
+    a saved model with one equal what a step of `fit` on two replicas sends."""
+    def build():
+        ids = tf.keras.Input((10,), dtype="int32")
+        rows = tf.keras.layers.Embedding(2000, 8, name="emb")(ids)
+        return tf.keras.Model(ids, tf.keras.layers.Dense(4)(tf.keras.layers.Flatten()(rows)))
+    path = str(tmp_path / "rec.keras")
+    build().save(path)
+    specs, lookups = plan.gradients_of(path, None, batch=8)
+    assert specs == [((80, 4), tf.float32), ((4,), tf.float32)]
+    assert [(t.rows, t.width, t.per_example) for t in lookups] == [(80, 8, 10)]
+    row = next(r for r in plan.plan(specs, [name], [2], ["1gbit"], 0.01, lookups=lookups)
+               if r["compressor"] == name)
+    ops = ops_from_spec(name)
+    strategy = tf.distribute.MirroredStrategy(devices[:2], cross_device_ops=ops)
+    with strategy.scope():
+        model = build()
+        model.compile(optimizer="sgd", loss="mse")
+    x = tf.random.stateless_uniform([16, 10], (1, 2), 0, 2000, tf.int32)
+    model.fit(x, tf.zeros([16, 4]), batch_size=16, epochs=1, verbose=0)
+    assert ops.stats()["last_bytes_sent"] == row["bytes_per_worker"]
 
 
 def test_a_file_keras_cannot_load_is_named_with_why(tmp_path):
@@ -168,8 +194,9 @@ def test_custom_layers_load_once_their_module_is_imported(tmp_path):
 def test_params_past_a_layer_limit_are_priced_as_several_layers():
     """Past 2^30 weights `--params` is several square layers, so that no tensor is past
     the sparsifiers' int32 indices; below it one layer, as before."""
-    assert plan.specs_of(None, 250_000) == [((500, 500), tf.float32), ((500,), tf.float32)]
-    specs = plan.specs_of(None, 3_000_000_000)
+    assert plan.gradients_of(None, 250_000)[0] == [((500, 500), tf.float32),
+                                                   ((500,), tf.float32)]
+    specs = plan.gradients_of(None, 3_000_000_000)[0]
     assert len(specs) == 6 and max(math.prod(s) for s, _ in specs) < 2**31 - 1
     assert sum(math.prod(s) for s, _ in specs) == pytest.approx(3e9, rel=1e-4)
     rows = plan.plan(specs, ["topk"], [4], ["1gbit"], 0.1)

@@ -262,6 +262,15 @@ def deferred_shapes(trackable, name: str) -> list:
     return [p.value_shape() for p in positions]
 
 
+def keras_embeddings(model) -> list:
+    """The built Keras 3 or tf_keras `Embedding` layers inside `model`, nested ones too,
+    each once (none in what is no Keras model)."""
+    flatten = getattr(model, "_flatten_layers", None)
+    layers = flatten(include_self=False, recursive=True) if flatten else ()
+    return [layer for layer in layers
+            if _is_keras(layer, "Embedding") and getattr(layer, "embeddings", None) is not None]
+
+
 def keras_saveable_base() -> type:
     """Keras 3's base class of objects its weight files (`save_weights`, `.keras`) walk
     into; `object` where Keras 3 is absent (tf_keras checkpoints track tf.Modules)."""

@@ -261,7 +261,9 @@ def _mean_over_workers(strategy: tf.distribute.Strategy, values: Sequence[float]
 
 
 def _specs(weights) -> list[tuple[tuple[int, ...], tf.DType]]:
-    weights = getattr(weights, "trainable_weights", weights)
+    if hasattr(weights, "trainable_weights"):
+        tables = {id(layer.embeddings) for layer in _tf_compat.keras_embeddings(weights)}
+        weights = [w for w in weights.trainable_weights if id(w) not in tables]
     out = []
     for w in weights:
         if isinstance(w, tuple) and len(w) == 2:
@@ -289,8 +291,9 @@ def autotune(strategy: tf.distribute.Strategy, weights, *, compute: float | Call
 
     Args:
       strategy: the strategy training will run under.
-      weights: a Keras model (its trainable weights), a list of variables or of
-        `(shape, dtype)` pairs.
+      weights: a Keras model (its trainable weights, less its Embedding tables: their
+        gradients are the rows looked up, gathered alike under every candidate), a
+        list of variables or of `(shape, dtype)` pairs.
       compute: forward + backward seconds per step, or a function running one such
         step (without gradient synchronisation), timed here.
       accuracy: "lossless" (none, fp16, bf16), "balanced" (adds the compressors within

@@ -65,8 +65,9 @@ class BucketPayload:
     """What one bucket sends under a compressor, in its steady state.
 
     Attributes:
-      numel: the bucket's elements.
-      dense_bytes: its size uncompressed.
+      numel: the bucket's elements (0: an embedding gradient, gathered as it is with no
+        codec: `sparse_payload`).
+      dense_bytes: its size uncompressed (0 for an embedding gradient).
       rounds: per round, `(transport, payload bytes)` of one member (SUM rounds are
         all-reduced, GATHER rounds all-gathered).
       chunks: two phases only: `(whole bucket, chunks summed, re-compressed chunks
@@ -115,6 +116,16 @@ def model_payloads(compressor: Compressor | str, specs: Sequence[tuple[Sequence[
             seen[bucket.layout] = bucket_payload(compressor, bucket.layout, workers)
         out.append(seen[bucket.layout])
     return out
+
+
+def sparse_payload(compressor: Compressor | str, rows: int, width: int, dtype: tf.DType,
+                   index_dtype: tf.DType = tf.int32) -> BucketPayload:
+    """An embedding gradient's payload: `rows` looked-up rows of `width` entries per
+    member and step (IndexedSlices, duplicates included), all-gathered as they are,
+    never through the codec: the values in the compressor's `sparse_values_dtype` (fp16
+    and bf16 halve them) and one index of `index_dtype` per row."""
+    values = get(compressor).sparse_values_dtype(dtype) or dtype
+    return BucketPayload(0, 0, ((GATHER, rows * (width * values.size + index_dtype.size)),))
 
 
 def bucket_payload(compressor: Compressor, layout: Layout, workers: int) -> BucketPayload:
@@ -233,7 +244,8 @@ def predict(compressor: Compressor | str, payloads: Sequence[BucketPayload], exc
             kind_bytes = [("gather" if t == GATHER else reduce, p, None) for t, p in b.rounds]
             gathered = any(t == GATHER for t, _ in b.rounds)
             share = DECODE_SHARE_COMPILED if jit_compile and c.xla_decode else DECODE_SHARE
-            work = roundtrip * (1 + (n - 1) * share if gathered else 1) + call_s
+            work = roundtrip * (1 + (n - 1) * share if gathered else 1) + (
+                call_s if b.numel else 0.0)
         w = sum(exchange_seconds(k, workers, p, link, s, local, local_link)
                 for k, p, s in kind_bytes)
         sent += sum(bytes_sent(k, workers, p, s, local) for k, p, s in kind_bytes)

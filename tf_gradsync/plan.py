@@ -18,6 +18,7 @@ shape: 24 blocks of width 1024, vocabulary 30522, without Keras).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import math
@@ -59,7 +60,8 @@ flags.DEFINE_list("compressors", None, "Compressors (default: every registered o
                   "powersgd:rank=8, sign:exchange=two_phase).", flag_values=FLAGS)
 flags.DEFINE_bool("calibrate", False, "Measure the compressors' data paths (and compute) here.",
                   flag_values=FLAGS)
-flags.DEFINE_integer("batch", 32, "Examples per worker and step, for --calibrate.",
+flags.DEFINE_integer("batch", 32, "Examples per worker and step: --calibrate's, and the "
+                     "embedding lookups priced.",
                      flag_values=FLAGS)
 flags.DEFINE_integer("bucket_bytes", DEFAULT_BUCKET_BYTES, "CompressedAllReduce's bucket_bytes.",
                      flag_values=FLAGS)
@@ -81,13 +83,34 @@ COLUMNS = ["compressor", "exchange", "workers", "devices_per_worker", "bandwidth
 CALIBRATE_NUMEL = 4_000_000
 
 
-def specs_of(model: str | None, params: int | None) -> list[tuple]:
-    """`(shape, dtype)` of every trainable weight of `--model` or `--params`.
+@dataclasses.dataclass(frozen=True)
+class Lookups:
+    """An embedding table's gradient per worker and step: `rows` looked-up rows (IndexedSlices,
+    duplicates included) of `width` entries of `dtype`, indices of `index_dtype`;
+    `per_example` None where the model does not fix its lookups (one per example
+    assumed)."""
+    name: str
+    rows: int
+    width: int
+    dtype: object
+    index_dtype: object
+    per_example: int | None
+
+
+def gradients_of(model: str | None, params: int | None, batch: int = 32
+                 ) -> tuple[list[tuple], list[Lookups]]:
+    """`(specs, lookups)`: `(shape, dtype)` of every trainable weight of `--model` or
+    `--params` that gets a dense gradient, and each embedding table's lookups for
+    `batch` examples per worker (a Keras `Embedding`'s gradient is the rows it looked
+    up, gathered as they are: `costmodel.sparse_payload`). bert-large's tables are
+    priced dense, as pretraining with the output layer tied to the word embedding sends
+    them.
 
     Raises:
       ValueError: for neither or both, a non-positive count, or an unknown model.
     """
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    from tf_gradsync import _tf_compat  # pylint: disable=import-outside-toplevel
     if (model is None) == (params is None):
         raise ValueError("give exactly one of --params (a weight count) and --model "
                          f"(a keras.applications name, a saved model's path or bert-large); "
@@ -97,11 +120,43 @@ def specs_of(model: str | None, params: int | None) -> list[tuple]:
             raise ValueError(f"--params must be a positive weight count, got {params}")
         layers = -(-params // MAX_LAYER)
         width = max(1, int((params / layers) ** 0.5))
-        return [((width, width), tf.float32), ((width,), tf.float32)] * layers
+        return [((width, width), tf.float32), ((width,), tf.float32)] * layers, []
     if model.lower() == "bert-large":
-        return bert_large_specs()
-    return [(tuple(int(d) for d in v.shape), tf.as_dtype(v.dtype))
-            for v in load_model(model).trainable_weights]
+        return bert_large_specs(), []
+    net = load_model(model)
+    tables, lookups = set(), []
+    for layer in _tf_compat.keras_embeddings(net):
+        table = layer.embeddings
+        if not (layer.trainable and getattr(table, "trainable", True)):
+            continue
+        tables.add(id(table))
+        per_example = _lookups_per_example(layer)
+        lookups.append(Lookups(layer.name, batch * (per_example or 1), int(table.shape[-1]),
+                               tf.as_dtype(table.dtype),
+                               tf.int64 if _input_dtype(layer) == tf.int64 else tf.int32,
+                               per_example))
+    specs = [(tuple(int(d) for d in v.shape), tf.as_dtype(v.dtype))
+             for v in net.trainable_weights if id(v) not in tables]
+    return specs, lookups
+
+
+def _lookups_per_example(layer) -> int | None:
+    """Indices an Embedding looks up per example: its input's size past the batch, when
+    the model fixes it and calls the layer once; else None."""
+    try:
+        shape = layer.input.shape[1:]
+    except (AttributeError, ValueError, RuntimeError):   # called several times, or never
+        return None
+    dims = list(shape)
+    return math.prod(dims) if all(isinstance(d, int) and d > 0 for d in dims) else None
+
+
+def _input_dtype(layer):
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    try:
+        return tf.as_dtype(layer.input.dtype)
+    except (AttributeError, ValueError, RuntimeError, TypeError):
+        return tf.int32
 
 
 def bert_large_specs(layers: int = 24, width: int = 1024, vocab: int = 30522,
@@ -189,7 +244,7 @@ def plan(specs, compressors: Sequence[str], workers: Sequence[int], bandwidths: 
          compute_s: float, latency_s: float = 50e-6, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
          overlap: float = 0.0, throughput: dict[str, float] | None = None,
          call_s: dict[str, float] | None = None, devices: int = 1,
-         local_link=None) -> list[dict]:
+         local_link=None, lookups: Sequence[Lookups] = ()) -> list[dict]:
     """One row per (workers, bandwidth, compressor, exchange), as in `COLUMNS`.
 
     `predicted_speedup` is `none`'s fastest exchange over this row's step, for the
@@ -199,7 +254,7 @@ def plan(specs, compressors: Sequence[str], workers: Sequence[int], bandwidths: 
     `bytes_per_worker` is then what each device sends).
 
     Args:
-      specs: `(shape, dtype)` of every trainable weight.
+      specs: `(shape, dtype)` of every trainable weight with a dense gradient.
       compressors: registered names, optionally with settings (`topk:ratio=0.001`),
         the ops' too (`sign:exchange=two_phase`, `topk:bucket_bytes=1048576`), which
         take the place of `bucket_bytes` and of the exchanges not pinned.
@@ -214,6 +269,8 @@ def plan(specs, compressors: Sequence[str], workers: Sequence[int], bandwidths: 
       devices: devices per worker, each computing and compressing its own gradients.
       local_link: `algorithms.cost.Link` between a worker's devices (default:
         `LOCAL_LATENCY_US`, `LOCAL_BANDWIDTH`).
+      lookups: the embedding tables' lookups per worker and step (`gradients_of`),
+        shared among its devices.
 
     Raises:
       ValueError: for a bad compressor, rate or setting (naming it and the choices).
@@ -233,6 +290,8 @@ def plan(specs, compressors: Sequence[str], workers: Sequence[int], bandwidths: 
     for n in workers:
         payloads = {s: costmodel.model_payloads(ops.compressor, specs, ops.bucket_bytes,
                                                 n * devices)
+                    + [costmodel.sparse_payload(ops.compressor, -(-t.rows // devices), t.width,
+                                                t.dtype, t.index_dtype) for t in lookups]
                     for s, ops in built.items()}
         for band, link in links:
             # One worker's devices are the members, on the link between them.
@@ -310,7 +369,7 @@ def main(argv: Sequence[str]) -> None:
                 importlib.import_module(module)
             except ImportError as e:
                 raise ValueError(f"--imports={module}: {e}") from e
-        specs = specs_of(FLAGS.model, FLAGS.params)
+        specs, lookups = gradients_of(FLAGS.model, FLAGS.params, FLAGS.batch)
         names = FLAGS.compressors or compression.names()
         if FLAGS.compute_s is None and not FLAGS.calibrate:
             raise ValueError("give --compute_s (forward + backward seconds per step) or "
@@ -330,7 +389,7 @@ def main(argv: Sequence[str]) -> None:
         local_link = Link(FLAGS.local_latency_us * 1e-6, local_rate)
         rows = plan(specs, names, workers, list(dict.fromkeys(FLAGS.bandwidth)), compute_s,
                     FLAGS.latency_us * 1e-6, FLAGS.bucket_bytes, FLAGS.overlap, throughput,
-                    calls, FLAGS.devices_per_worker, local_link)
+                    calls, FLAGS.devices_per_worker, local_link, lookups)
     except ValueError as e:
         sys.exit(f"plan: {e}")
     params = sum(math.prod(s) for s, _ in specs)
@@ -339,6 +398,12 @@ def main(argv: Sequence[str]) -> None:
     print(f"{params:,} weights in {len(specs)} tensors; compute {compute_s:.4g} s per step; "
           f"latency {FLAGS.latency_us:g} us; bucket_bytes {FLAGS.bucket_bytes}; overlap "
           f"{FLAGS.overlap:g}; codec throughput: {source}")
+    for t in lookups:
+        fixed = (f"{t.per_example} per example" if t.per_example else
+                 "1 per example assumed: the model does not fix its input length")
+        print(f"embedding {t.name} ({t.width} wide): its gradient is the rows looked up, "
+              f"gathered as they are: {t.rows:,} per worker and step (--batch {FLAGS.batch}, "
+              f"{fixed})")
     if FLAGS.devices_per_worker > 1:
         print(f"{FLAGS.devices_per_worker} devices per worker, {FLAGS.local_bandwidth} and "
               f"{FLAGS.local_latency_us:g} us between them; bytes_per_worker: a worker's "
