@@ -896,6 +896,19 @@ def test_a_loss_scale_wrapper_is_seen_through():
     assert gs.CompressedAllReduce("int8").adapt_optimizer(sgdm) is sgdm
 
 
+def test_adapt_optimizer_names_a_subclass_its_config_cannot_rebuild():
+    """A subclass whose constructor takes an argument its `get_config()` leaves out
+    cannot be rebuilt adapted: a ValueError says so and what to do, not from_config's
+    bare TypeError."""
+    class Tagged(tf.keras.optimizers.Adam):
+        def __init__(self, tag, **kwargs):
+            super().__init__(**kwargs)
+            self.tag = tag
+    with pytest.raises(ValueError, match=r"Tagged at .*x its learning rate.*cannot be "
+                                         r"rebuilt from its get_config\(\) \(TypeError"):
+        gs.CompressedAllReduce("topk").adapt_optimizer(Tagged("a", learning_rate=1e-3))
+
+
 def test_adapt_optimizer_under_tf_keras():
     script = ("import tensorflow as tf, tf_gradsync as gs\n"
               "o = gs.CompressedAllReduce('topk').adapt_optimizer(tf.keras.optimizers.Adam(1e-3))\n"

@@ -618,9 +618,10 @@ class Compressor(abc.ABC):
 
         Raises:
           ValueError: for a learning rate that is neither a number nor one of Keras'
-            schedules (whose rates are scaled: ExponentialDecay, CosineDecay, ...), or an
-            optimizer this compressor cannot train with even adapted
-            (`check_optimizer`: dgc under Adam).
+            schedules (whose rates are scaled: ExponentialDecay, CosineDecay, ...), an
+            optimizer that its `get_config()` cannot rebuild (a subclass's constructor
+            argument left out), or an optimizer this compressor cannot train with even
+            adapted (`check_optimizer`: dgc under Adam).
 
         Example:
           >>> ops = tf_gradsync.CompressedAllReduce("topk")
@@ -654,7 +655,14 @@ class Compressor(abc.ABC):
                     f"schedules ({', '.join(_SCHEDULE_RATES)}): multiply its rates by "
                     f"{factor:.3g} and set {changes} yourself")
             config.update(changes, learning_rate=lr)
-            adapted = type(optimizer).from_config(config)
+            try:
+                adapted = type(optimizer).from_config(config)
+            except (TypeError, ValueError) as e:
+                raise ValueError(
+                    f"{self!r} trains {type(optimizer).__name__} at {factor:.3g}x its "
+                    f"learning rate with {changes}, but it cannot be rebuilt from its "
+                    f"get_config() ({type(e).__name__}: {e}): return every constructor "
+                    "argument from get_config, or make these changes yourself") from e
             setattr(adapted, _ADAPTED, True)
         # What the first step would refuse (dgc under Adam) is refused here, before a
         # model is built around it.

@@ -56,7 +56,11 @@ class Float16(_Cast):
     """IEEE half precision (11-bit significand, range +-65504).
 
     Input is divided by the replica count before the cast (`prescale`), so the sum of
-    all replicas' payloads on the wire is a mean and cannot overflow float16.
+    all replicas' payloads on the wire is a mean and cannot overflow float16 (PyTorch's
+    `fp16_compress_hook` divides too). The price is at the small end: float16's normal
+    numbers start at 6.1e-5, so entries below about 6e-5 N keep fewer significant bits
+    and those below 3e-8 N vanish; `bf16` keeps float32's range for gradients that
+    small (or a loss scale lifts them).
 
     Example:
       >>> ops = tf_gradsync.CompressedAllReduce("fp16")
