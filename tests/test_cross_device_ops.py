@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import _tf_keras  # tests/_tf_keras.py
 import tf_gradsync as gs
 from tf_gradsync.pipeline import SCOPE
 
@@ -267,6 +268,47 @@ def test_heads_of_one_shape_trained_in_turn_by_one_optimizer_keep_their_own_stat
     moved = [max(float(np.abs(v.numpy() - b).max()) for v, b in zip(head.trainable_variables, old))
              for head, old in zip(heads, before)]
     assert moved[0] > 0 and moved[1:] == [0.0, 0.0], moved
+
+
+def test_heads_trained_in_turn_keep_their_own_state_under_tf_keras():
+    """tf_keras hands the pairs to a helper under its optimizer's frames (and its
+    legacy optimizers keep them in theirs): heads of one shape trained in turn by one
+    optimizer keep their own state there too."""
+    script = """
+        import numpy as np, tensorflow as tf
+        import tf_gradsync as gs
+        devices = gs.logical_cpus(2)
+        for make in (tf.keras.optimizers.SGD, tf.keras.optimizers.legacy.SGD):
+            strategy = tf.distribute.MirroredStrategy(
+                devices, cross_device_ops=gs.CompressedAllReduce("topk"))
+            with strategy.scope():
+                heads = [tf.keras.layers.Dense(64) for _ in range(2)]
+                for head in heads:
+                    head.build((None, 50))
+                optimizer = make(0.1)
+                if make is tf.keras.optimizers.SGD:     # told every head it will train
+                    optimizer.build([v for head in heads for v in head.trainable_variables])
+
+            @tf.function
+            def step(task, seed):
+                def fn():
+                    ctx = tf.distribute.get_replica_context()
+                    x = tf.random.stateless_normal([8, 50], [seed, ctx.replica_id_in_sync_group])
+                    with tf.GradientTape() as tape:
+                        loss = float(task == 0) * tf.reduce_mean(heads[task](x) ** 2)
+                    variables = heads[task].trainable_variables
+                    optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))
+                strategy.run(fn)
+            before = [v.numpy() for v in heads[1].trainable_variables]
+            for seed in range(3):
+                step(0, tf.constant(seed))
+                step(1, tf.constant(seed))
+            moved = max(float(np.abs(v.numpy() - b).max())
+                        for v, b in zip(heads[1].trainable_variables, before))
+            print("RESULT", make.__module__.split(".")[-2], moved)
+    """
+    rows = _tf_keras.lines(_tf_keras.run(script, timeout=300))
+    assert [float(moved) for _, moved in rows] == [0.0, 0.0], rows
 
 
 def test_a_restored_model_after_a_dropped_one_keeps_the_restored_state(devices, tmp_path):

@@ -164,20 +164,23 @@ def calling_optimizer() -> tuple:
     variables it applies them to (None where its frames do not tell), or `(None, None)`.
 
     Gradient all-reduces run inside the optimizer's `apply_gradients` (Keras 3 and
-    tf_keras alike), whose frames may be on a replica thread (`_stacks`) and hold the
-    pairs of gradients and variables (`grads_and_vars`) or the variables alone
-    (`trainable_variables`, `var_list`).
+    tf_keras alike), whose frames may be on a replica thread (`_stacks`). The pairs of
+    gradients and variables (`grads_and_vars`) or the variables alone
+    (`trainable_variables`, `var_list`) are in its frames, or, in tf_keras, in the
+    helper under them that reduces (`optimizer_utils.all_reduce_sum_gradients`).
     """
     for frame in _stacks():
-        optimizer = None
+        optimizer = below = None
         while frame is not None:
             obj = frame.f_locals.get("self")
             if obj is not None and _is_keras_optimizer(obj):
                 if optimizer is None:
                     optimizer = obj
-                variables = _applied_variables(frame.f_locals)
+                variables = below or _applied_variables(frame.f_locals)
                 if variables is not None:
                     return optimizer, variables
+            elif optimizer is None and below is None:
+                below = _applied_variables(frame.f_locals)
             frame = frame.f_back
         if optimizer is not None:
             return optimizer, None
