@@ -198,6 +198,33 @@ def test_tf_keras_checkpoint_carries_state(tmp_path):
     assert _tf_keras.lines(stdout, "OK"), stdout[-2000:]
 
 
+def test_tf_keras_tracked_state_is_none_of_the_models_weights():
+    """Under tf_keras the tracked state stays out of a functional model's weights: they
+    keep their count after training (`set_weights` of another model's still fits), and
+    a recompile under the strategy (a fine-tuning phase) does not find variables made
+    outside it."""
+    script = """
+        import numpy as np, tensorflow as tf
+        import tf_gradsync as gs
+        gs.logical_cpus(2)
+        ops = gs.CompressedAllReduce("topk")
+        strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"], cross_device_ops=ops)
+        with strategy.scope():
+            ids = tf.keras.Input((4,))
+            model = tf.keras.Model(ids, tf.keras.layers.Dense(2)(ids))
+            model.compile(optimizer=tf.keras.optimizers.SGD(0.1), loss="mse")
+        gs.track_state(model, ops)
+        x, y = np.ones((8, 4), "float32"), np.ones((8, 2), "float32")
+        model.fit(x, y, batch_size=4, verbose=0)
+        with strategy.scope():
+            model.compile(optimizer=tf.keras.optimizers.SGD(0.01), loss="mse")
+        model.fit(x, y, batch_size=4, verbose=0)
+        print("RESULT", len(model.get_weights()), len(ops._state) > 0)
+    """
+    (row,) = _tf_keras.lines(_tf_keras.run(script, timeout=300))
+    assert row == ["2", "True"], row
+
+
 def test_tf_keras_savedmodel_brings_its_state_back(tmp_path):
     """tf_keras saves a tracked model's state into its SavedModel; the loaded model holds
     it as restored variables, and tracking it again seeds the new ops with them."""

@@ -11,12 +11,14 @@ from tf_gradsync.cross_device_ops import CompressedAllReduce
 ATTRIBUTE = "gradsync_state"
 
 
-class _ModelState(tf.Module, _tf_compat.keras_saveable_base()):
+class _ModelState(tf.__internal__.tracking.AutoTrackable, _tf_compat.keras_saveable_base()):
     """Carries a `SyncState` inside a model: a tracked child for TensorFlow checkpoints,
-    and a saveable with its own variables for Keras 3 weight files."""
+    and a saveable with its own variables for Keras 3 weight files. No `tf.Module`:
+    tf_keras counts a module's variables among the model's weights (`get_weights`,
+    and `compile`'s check that each was made under the strategy)."""
 
     def __init__(self, ops: CompressedAllReduce):
-        super().__init__(name=ATTRIBUTE)
+        super().__init__()
         self.ops = ops
 
     def _obj_type(self) -> str:
