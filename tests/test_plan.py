@@ -10,7 +10,7 @@ import textwrap
 import pytest
 import tensorflow as tf
 
-from tf_gradsync import costmodel, plan
+from tf_gradsync import _tf_compat, costmodel, plan
 from tf_gradsync.algorithms.cost import Link, parse_bandwidth
 from tf_gradsync.bench import ops_from_spec
 from tf_gradsync.config import DEFAULT_BUCKET_BYTES
@@ -153,6 +153,24 @@ def test_embedding_tables_are_priced_as_the_rows_they_gather(devices, tmp_path, 
     x = tf.random.stateless_uniform([16, 10], (1, 2), 0, 2000, tf.int32)
     model.fit(x, tf.zeros([16, 4]), batch_size=16, epochs=1, verbose=0)
     assert ops.stats()["last_bytes_sent"] == row["bytes_per_worker"]
+
+
+def test_tied_frozen_and_shared_tables_are_not_priced_as_their_own_lookups():
+    """A table tied to an output layer as well (`tie_weights`) gets a dense gradient and
+    a frozen one none: neither is a table of looked-up rows. A table looked up by two
+    calls has no one input to count its lookups from."""
+    class Tied(tf.keras.layers.Embedding):
+        tie_weights = True
+    a, b = tf.keras.Input((3,), dtype="int32"), tf.keras.Input((5,), dtype="int32")
+    shared, tied = tf.keras.layers.Embedding(50, 4), Tied(50, 4)
+    frozen = tf.keras.layers.Embedding(50, 4, trainable=False)
+    out = tf.keras.layers.Concatenate(axis=1)([shared(a), shared(b), tied(a), frozen(b)])
+    model = tf.keras.Model([a, b], out)
+    assert _tf_compat.keras_embeddings(model) == [shared]
+    assert plan._lookups_per_example(shared) is None
+    single = tf.keras.layers.Embedding(50, 4)
+    tf.keras.Model(a, single(a))
+    assert plan._lookups_per_example(single) == 3
 
 
 def test_a_file_keras_cannot_load_is_named_with_why(tmp_path):

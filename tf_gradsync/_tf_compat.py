@@ -266,17 +266,27 @@ def deferred_shapes(trackable, name: str) -> list:
 
 
 def keras_embeddings(model) -> list:
-    """The built Keras 3 or tf_keras `Embedding` layers inside `model`, nested ones too,
-    each once (none in what is no Keras model)."""
+    """The built Keras 3 or tf_keras `Embedding` layers inside `model` (nested ones too,
+    each once; none in what is no Keras model) whose trainable table gets the rows it
+    looked up as its gradient (IndexedSlices). A table tied to an output layer as well
+    (`tie_weights`, keras_hub's ReversibleEmbedding) gets a dense gradient: left out."""
     flatten = getattr(model, "_flatten_layers", None)
     layers = flatten(include_self=False, recursive=True) if flatten else ()
     return [layer for layer in layers
-            if _is_keras(layer, "Embedding") and getattr(layer, "embeddings", None) is not None]
+            if _is_keras(layer, "Embedding") and getattr(layer, "embeddings", None) is not None
+            and layer.trainable and getattr(layer.embeddings, "trainable", True)
+            and not getattr(layer, "tie_weights", False)]
+
+
+def keras_calls(layer) -> int:
+    """How many times a Keras `layer` was called on symbolic inputs (a shared layer's
+    calls, each a node of the graph)."""
+    return len(getattr(layer, "_inbound_nodes", ()))  # pylint: disable=protected-access
 
 
 def keras_saveable_base() -> type:
     """Keras 3's base class of objects its weight files (`save_weights`, `.keras`) walk
-    into; `object` where Keras 3 is absent (tf_keras checkpoints track tf.Modules)."""
+    into; `object` where Keras 3 is absent (tf_keras checkpoints track any trackable)."""
     try:
         from keras.src.saving.keras_saveable import KerasSaveable  # pylint: disable=import-outside-toplevel
     except ImportError:

@@ -291,9 +291,10 @@ def autotune(strategy: tf.distribute.Strategy, weights, *, compute: float | Call
 
     Args:
       strategy: the strategy training will run under.
-      weights: a Keras model (its trainable weights, less its Embedding tables: their
-        gradients are the rows looked up, gathered alike under every candidate), a
-        list of variables or of `(shape, dtype)` pairs.
+      weights: a Keras model (its trainable weights less its Embedding tables, whose
+        gradients are the rows looked up, gathered uncompressed: left out of the
+        pricing, with fp16's and bf16's halving of their values and their share of the
+        step), a list of variables or of `(shape, dtype)` pairs.
       compute: forward + backward seconds per step, or a function running one such
         step (without gradient synchronisation), timed here.
       accuracy: "lossless" (none, fp16, bf16), "balanced" (adds the compressors within

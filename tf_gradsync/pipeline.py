@@ -175,7 +175,8 @@ class Pipeline:
     def _plan_of_call(self, plan: BucketPlan, owner: "_Owner", compressor: Compressor
                       ) -> BucketPlan:
         """`plan` for this reduction's state slot (`BucketPlan.nth`): one slot per owner
-        (the optimizer applying the gradients) and per n-th reduction of its tensors by
+        (the optimizer applying the gradients, for the variables it applies them to:
+        heads of one shape trained in turn have a slot each) and per n-th reduction of its tensors by
         that owner in the graph being traced. Models of one shape reduce through state
         of their own, not one residual or momentum for all: trained in one step (twin
         critics, an ensemble, a GAN's two halves) or each in its own `fit` or function

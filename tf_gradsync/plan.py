@@ -127,8 +127,6 @@ def gradients_of(model: str | None, params: int | None, batch: int = 32
     tables, lookups = set(), []
     for layer in _tf_compat.keras_embeddings(net):
         table = layer.embeddings
-        if not (layer.trainable and getattr(table, "trainable", True)):
-            continue
         tables.add(id(table))
         per_example = _lookups_per_example(layer)
         lookups.append(Lookups(layer.name, batch * (per_example or 1), int(table.shape[-1]),
@@ -143,6 +141,9 @@ def gradients_of(model: str | None, params: int | None, batch: int = 32
 def _lookups_per_example(layer) -> int | None:
     """Indices an Embedding looks up per example: its input's size past the batch, when
     the model fixes it and calls the layer once; else None."""
+    from tf_gradsync import _tf_compat  # pylint: disable=import-outside-toplevel
+    if _tf_compat.keras_calls(layer) > 1:
+        return None
     try:
         shape = layer.input.shape[1:]
     except (AttributeError, ValueError, RuntimeError):   # called several times, or never
@@ -398,6 +399,8 @@ def main(argv: Sequence[str]) -> None:
     print(f"{params:,} weights in {len(specs)} tensors; compute {compute_s:.4g} s per step; "
           f"latency {FLAGS.latency_us:g} us; bucket_bytes {FLAGS.bucket_bytes}; overlap "
           f"{FLAGS.overlap:g}; codec throughput: {source}")
+    if lookups:
+        print(f"(and {len(lookups)} embedding tables, priced as the rows they look up:)")
     for t in lookups:
         fixed = (f"{t.per_example} per example" if t.per_example else
                  "1 per example assumed: the model does not fix its input length")

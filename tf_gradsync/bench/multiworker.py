@@ -124,7 +124,7 @@ def worker(mode: str, params: int, steps: int, batch: int, ifname: str | None = 
     """
     import tensorflow as tf
     import tf_gradsync as gs
-    from tf_gradsync import costmodel
+    from tf_gradsync import _tf_compat, costmodel
     tf.get_logger().setLevel("ERROR")
     ops, barrier = None, None
     if mode == "stock":
@@ -172,15 +172,17 @@ def worker(mode: str, params: int, steps: int, batch: int, ifname: str | None = 
     median = float(np.median(times))
     workers = strategy.num_replicas_in_sync if barrier is None else barrier.num_replicas_in_sync
     trainable = list(net.trainable_variables)
+    # Embedding tables get IndexedSlices gradients, which are gathered, not bucketed.
+    tables = {id(layer.embeddings) for layer in _tf_compat.keras_embeddings(net)}
     out = {"mode": mode, "model": model, "median_s": median,
            "params": sum(int(np.prod(v.shape)) for v in trainable),
            # What a bucketed all-reduce carries: embedding tables' gradients are sparse.
            "dense_params": sum(int(np.prod(v.shape)) for v in trainable
-                               if not _sparse_gradient(v)),
+                               if id(v) not in tables),
            "items_per_s": work.items * workers / median, "unit": work.unit}
     if ifname:
         out["tx_bytes_per_step"] = (_tx_bytes(ifname) - tx_start) / steps
-    specs = [(v.shape, v.dtype) for v in net.trainable_variables if not _sparse_gradient(v)]
+    specs = [(v.shape, v.dtype) for v in trainable if id(v) not in tables]
     out["specs"] = [[list(map(int, sh)), tf.as_dtype(dt).name] for sh, dt in specs]
     if ops is not None:
         out["bytes_per_step"] = ops.stats()["last_bytes_sent"]
@@ -212,11 +214,6 @@ def payload_bytes(compressor, specs, bucket_bytes: int) -> int:
     from tf_gradsync import costmodel
     return sum(n for b in costmodel.model_payloads(compressor, specs, bucket_bytes, 1)
                for _, n in b.rounds)
-
-
-def _sparse_gradient(variable) -> bool:
-    """Embedding tables get IndexedSlices gradients, which are gathered, not bucketed."""
-    return "embedding" in getattr(variable, "path", variable.name)
 
 
 def _tx_bytes(ifname: str | None) -> int:

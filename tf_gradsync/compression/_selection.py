@@ -126,7 +126,7 @@ def _on_host(t: tf.Tensor) -> bool:
     """Whether `t` lives on a CPU: its placement, or, unplaced, no GPU in sight."""
     spec = tf.DeviceSpec.from_string(t.device or "")
     if spec.device_type:
-        return spec.device_type == "CPU"
+        return spec.device_type.upper() == "CPU"
     return not tf.config.list_logical_devices("GPU")
 
 

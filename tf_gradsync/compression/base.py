@@ -647,10 +647,11 @@ class Compressor(abc.ABC):
         if factor != 1 or changes:
             config = optimizer_config(optimizer)
             lr = _scaled_rate(config.get("learning_rate"), factor)
+            adapting = (f"{self!r} trains {type(optimizer).__name__} at {factor:.3g}x its "
+                        f"learning rate with {changes}")
             if lr is None:
                 raise ValueError(
-                    f"{self!r} trains {type(optimizer).__name__} at {factor:.3g}x its "
-                    f"learning rate with {changes}, but the rate is "
+                    f"{adapting}, but the rate is "
                     f"{config.get('learning_rate')!r}, neither a number nor one of Keras' "
                     f"schedules ({', '.join(_SCHEDULE_RATES)}): multiply its rates by "
                     f"{factor:.3g} and set {changes} yourself")
@@ -659,10 +660,9 @@ class Compressor(abc.ABC):
                 adapted = type(optimizer).from_config(config)
             except (TypeError, ValueError) as e:
                 raise ValueError(
-                    f"{self!r} trains {type(optimizer).__name__} at {factor:.3g}x its "
-                    f"learning rate with {changes}, but it cannot be rebuilt from its "
-                    f"get_config() ({type(e).__name__}: {e}): return every constructor "
-                    "argument from get_config, or make these changes yourself") from e
+                    f"{adapting}, but it cannot be rebuilt from its get_config() "
+                    f"({type(e).__name__}: {e}): if get_config leaves a constructor "
+                    "argument out, return it there, or make these changes yourself") from e
             setattr(adapted, _ADAPTED, True)
         # What the first step would refuse (dgc under Adam) is refused here, before a
         # model is built around it.
