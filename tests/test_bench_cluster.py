@@ -266,7 +266,7 @@ def test_tiny_end_to_end_run(tmp_path):
     # is one kind of exchange); it sends what fp16 sends.
     assert [t[:1] for t in tuned["decision"]["trials"]] == [["fp16"]]
     assert tuned["decision"]["measured_step_s"] == min(t[4] for t in tuned["decision"]["trials"])
-    assert tuned["decision"]["ops"] == "Float16()"       # lossless: not guarded
+    assert tuned["decision"]["ops"] == "Float16(prescale=True)"       # lossless: not guarded
     assert tuned["stats_bytes"] == fp16["stats_bytes"] and tuned["exchange"] == "all-reduce"
     assert tuned["vs_best"] == pytest.approx(tuned["step_s"] / fp16["step_s"])
     assert fp16["vs_best"] == 1.0 and tuned["pick"] == ""

@@ -587,6 +587,33 @@ def test_gather_many_pads_to_one_capacity_for_the_compiled_gather():
     assert lengths and set(lengths) == {64}
 
 
+def test_fp16_without_prescale_casts_the_gradient_and_divides_the_sum():
+    """fp16 divides by N before the cast by default (a mean on the wire: no overflow,
+    small entries pushed towards float16's subnormals); `prescale=False` sends the
+    gradient as it is, N times more room for small entries, and a sum past 65504 is
+    Inf, as a plain fp16 all-reduce gives."""
+    n = 4
+    rng = np.random.default_rng(7)
+    xs = [tf.constant(rng.standard_normal(N) * 1e-6, tf.float32) for _ in range(n)]
+    exact = np.sum([x.numpy().astype(np.float64) for x in xs], axis=0)
+    errors = {}
+    for prescale in (True, False):
+        c = C.get("fp16", prescale=prescale)
+        out = reduce(c, xs, shapes=SHAPES)
+        sent = xs[0] / n if prescale else xs[0]
+        np.testing.assert_array_equal(out.payloads[0][0].numpy(),
+                                      tf.cast(sent, tf.float16).numpy())
+        errors[prescale] = np.abs(out.results[0].numpy() - exact).max() / np.abs(exact).max()
+        mean = reduce(c, xs, shapes=SHAPES, mean=True).results[0].numpy()
+        np.testing.assert_allclose(mean, out.results[0].numpy() / n, rtol=1e-6)
+    assert errors[False] < errors[True] / 2, errors
+    big = [tf.fill([N], 4e4) for _ in range(2)]
+    assert np.isinf(reduce(C.get("fp16", prescale=False), big).results[0].numpy()).all()
+    np.testing.assert_array_equal(reduce(C.get("fp16"), big).results[0].numpy(), 8e4)
+    with pytest.raises(ValueError, match="prescale must be a bool"):
+        C.get("fp16", prescale="no")
+
+
 @pytest.mark.parametrize("host", [True, False])
 def test_nonzero_gives_the_positions_of_a_mask_in_order(host, monkeypatch):
     """A mask's positions, numpy's compaction on a CPU and `tf.where` elsewhere, equal

@@ -11,6 +11,7 @@ from typing import ClassVar, Sequence
 
 import tensorflow as tf
 
+from tf_gradsync.compression import _util
 from tf_gradsync.compression.base import Compressor, Context, register
 
 
@@ -55,19 +56,31 @@ class _Cast(Compressor):
 class Float16(_Cast):
     """IEEE half precision (11-bit significand, range +-65504).
 
-    Input is divided by the replica count before the cast (`prescale`), so the sum of
-    all replicas' payloads on the wire is a mean and cannot overflow float16 (PyTorch's
-    `fp16_compress_hook` divides too). The price is at the small end: float16's normal
-    numbers start at 6.1e-5, so entries below about 6e-5 N keep fewer significant bits
-    and those below 3e-8 N vanish; `bf16` keeps float32's range for gradients that
-    small (or a loss scale lifts them).
+    By default input is divided by the replica count N before the cast (`prescale`),
+    so the sum of all replicas' payloads on the wire is a mean and cannot overflow
+    float16 (PyTorch's `fp16_compress_hook` divides too). The price is at the small
+    end: float16's normal numbers start at 6.1e-5, so entries below about 6e-5 N keep
+    fewer significant bits and those below 3e-8 N vanish. `prescale=False` casts the
+    gradient as it is and divides the sum (Horovod's fp16 compression without a
+    predivide): small entries keep N times more room, and a sum beyond 65504 turns
+    into Inf (a loss-scaled step then skips). `bf16` keeps float32's range for both.
+
+    Args:
+      prescale: divide by N before the cast (True) or after the sum (False).
+
+    Raises:
+      ValueError: if `prescale` is not a bool.
 
     Example:
       >>> ops = tf_gradsync.CompressedAllReduce("fp16")
+      >>> small = tf_gradsync.compression.get("fp16", prescale=False)
     """
 
     wire_dtype = tf.float16
-    prescale = True
+
+    def __init__(self, prescale: bool = True):
+        _util.check_flag("prescale", prescale)
+        self.prescale = bool(prescale)
 
 
 @register("bf16")
