@@ -1,9 +1,8 @@
 """Helpers shared by the compressors: argument checks, work dtypes, finiteness.
 
 Everything in this package's helper modules (`_bits`, `_sparse`, `_segments`,
-`_selection`, `_draws`) is built from TensorFlow ops, so it runs inside `tf.function`
-on the device that holds the bucket; one exception, a mask's positions on a CPU, goes
-through numpy (`_selection.nonzero`).
+`_selection`, `_draws`) is built from TensorFlow ops only, so it runs inside
+`tf.function` on the device that holds the bucket.
 """
 
 from __future__ import annotations
