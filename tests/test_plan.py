@@ -167,10 +167,15 @@ def test_tied_frozen_and_shared_tables_are_not_priced_as_their_own_lookups():
     out = tf.keras.layers.Concatenate(axis=1)([shared(a), shared(b), tied(a), frozen(b)])
     model = tf.keras.Model([a, b], out)
     assert _tf_compat.keras_embeddings(model) == [shared]
-    assert plan._lookups_per_example(shared) is None
+    assert plan._lookups(shared, 8).per_example is None
     single = tf.keras.layers.Embedding(50, 4)
     tf.keras.Model(a, single(a))
-    assert plan._lookups_per_example(single) == 3
+    assert plan._lookups(single, 8).per_example == 3
+    assert plan._lookups(single, 8).index_dtype == tf.int32
+    wide_ids = tf.keras.Input((2, 3), dtype="int64")
+    wide = tf.keras.layers.Embedding(50, 4)
+    tf.keras.Model(wide_ids, wide(wide_ids))
+    assert (plan._lookups(wide, 8).rows, plan._lookups(wide, 8).index_dtype) == (48, tf.int64)
 
 
 def test_a_file_keras_cannot_load_is_named_with_why(tmp_path):

@@ -278,6 +278,13 @@ def keras_embeddings(model) -> list:
             and not getattr(layer, "tie_weights", False)]
 
 
+def dense_gradient_weights(model) -> list:
+    """`model`'s trainable weights less its Embedding tables (`keras_embeddings`), whose
+    gradients are the rows looked up, gathered rather than bucketed."""
+    tables = {id(layer.embeddings) for layer in keras_embeddings(model)}
+    return [w for w in model.trainable_weights if id(w) not in tables]
+
+
 def keras_calls(layer) -> int:
     """How many times a Keras `layer` was called on symbolic inputs (a shared layer's
     calls, each a node of the graph)."""

@@ -262,8 +262,7 @@ def _mean_over_workers(strategy: tf.distribute.Strategy, values: Sequence[float]
 
 def _specs(weights) -> list[tuple[tuple[int, ...], tf.DType]]:
     if hasattr(weights, "trainable_weights"):
-        tables = {id(layer.embeddings) for layer in _tf_compat.keras_embeddings(weights)}
-        weights = [w for w in weights.trainable_weights if id(w) not in tables]
+        weights = _tf_compat.dense_gradient_weights(weights)
     out = []
     for w in weights:
         if isinstance(w, tuple) and len(w) == 2:

@@ -124,40 +124,29 @@ def gradients_of(model: str | None, params: int | None, batch: int = 32
     if model.lower() == "bert-large":
         return bert_large_specs(), []
     net = load_model(model)
-    tables, lookups = set(), []
-    for layer in _tf_compat.keras_embeddings(net):
-        table = layer.embeddings
-        tables.add(id(table))
-        per_example = _lookups_per_example(layer)
-        lookups.append(Lookups(layer.name, batch * (per_example or 1), int(table.shape[-1]),
-                               tf.as_dtype(table.dtype),
-                               tf.int64 if _input_dtype(layer) == tf.int64 else tf.int32,
-                               per_example))
     specs = [(tuple(int(d) for d in v.shape), tf.as_dtype(v.dtype))
-             for v in net.trainable_weights if id(v) not in tables]
-    return specs, lookups
+             for v in _tf_compat.dense_gradient_weights(net)]
+    return specs, [_lookups(layer, batch) for layer in _tf_compat.keras_embeddings(net)]
 
 
-def _lookups_per_example(layer) -> int | None:
-    """Indices an Embedding looks up per example: its input's size past the batch, when
-    the model fixes it and calls the layer once; else None."""
-    from tf_gradsync import _tf_compat  # pylint: disable=import-outside-toplevel
-    if _tf_compat.keras_calls(layer) > 1:
-        return None
-    try:
-        shape = layer.input.shape[1:]
-    except (AttributeError, ValueError, RuntimeError):   # called several times, or never
-        return None
-    dims = list(shape)
-    return math.prod(dims) if all(isinstance(d, int) and d > 0 for d in dims) else None
-
-
-def _input_dtype(layer):
+def _lookups(layer, batch: int) -> Lookups:
+    """An Embedding's lookups for `batch` examples: its input's size past the batch per
+    example, when the model fixes it and calls the layer once (else one, assumed), with
+    indices of its input's dtype (int32 unless int64)."""
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    from tf_gradsync import _tf_compat  # pylint: disable=import-outside-toplevel
     try:
-        return tf.as_dtype(layer.input.dtype)
-    except (AttributeError, ValueError, RuntimeError, TypeError):
-        return tf.int32
+        ids = layer.input if _tf_compat.keras_calls(layer) <= 1 else None
+    except (AttributeError, ValueError, RuntimeError):   # called several times, or never
+        ids = None
+    dims = None if ids is None else list(ids.shape[1:])
+    per_example = (math.prod(dims) if dims is not None
+                   and all(isinstance(d, int) and d > 0 for d in dims) else None)
+    index = (tf.int64 if ids is not None and getattr(ids.dtype, "name", ids.dtype) == "int64"
+             else tf.int32)
+    table = layer.embeddings
+    return Lookups(layer.name, batch * (per_example or 1), int(table.shape[-1]),
+                   tf.as_dtype(table.dtype), index, per_example)
 
 
 def bert_large_specs(layers: int = 24, width: int = 1024, vocab: int = 30522,

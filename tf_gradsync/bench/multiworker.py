@@ -173,16 +173,15 @@ def worker(mode: str, params: int, steps: int, batch: int, ifname: str | None = 
     workers = strategy.num_replicas_in_sync if barrier is None else barrier.num_replicas_in_sync
     trainable = list(net.trainable_variables)
     # Embedding tables get IndexedSlices gradients, which are gathered, not bucketed.
-    tables = {id(layer.embeddings) for layer in _tf_compat.keras_embeddings(net)}
+    dense = _tf_compat.dense_gradient_weights(net)
     out = {"mode": mode, "model": model, "median_s": median,
            "params": sum(int(np.prod(v.shape)) for v in trainable),
            # What a bucketed all-reduce carries: embedding tables' gradients are sparse.
-           "dense_params": sum(int(np.prod(v.shape)) for v in trainable
-                               if id(v) not in tables),
+           "dense_params": sum(int(np.prod(v.shape)) for v in dense),
            "items_per_s": work.items * workers / median, "unit": work.unit}
     if ifname:
         out["tx_bytes_per_step"] = (_tx_bytes(ifname) - tx_start) / steps
-    specs = [(v.shape, v.dtype) for v in trainable if id(v) not in tables]
+    specs = [(v.shape, v.dtype) for v in dense]
     out["specs"] = [[list(map(int, sh)), tf.as_dtype(dt).name] for sh, dt in specs]
     if ops is not None:
         out["bytes_per_step"] = ops.stats()["last_bytes_sent"]
