@@ -69,6 +69,41 @@ def test_failure_stops_the_others_and_returns_its_code(tmp_path):
             os.kill(pid, 0)
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_workers_die_with_a_launcher_killed_outright(tmp_path):
+    """A launcher killed with SIGKILL cannot stop its workers; Linux kills them for it."""
+    script = tmp_path / "w.py"
+    script.write_text("import os, time; print('pid', os.getpid(), flush=True); time.sleep(600)")
+    proc = subprocess.Popen([sys.executable, "-m", "tf_gradsync.launch", "--num_workers=2",
+                             "--", str(script)], env=ENV, stdout=subprocess.PIPE, text=True)
+    pids = []
+    try:
+        while len(pids) < 2:
+            line = proc.stdout.readline()
+            assert line, "the launcher exited before its workers started"
+            pids.append(int(line.split()[-1]))
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    deadline = time.monotonic() + 30
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in pids if _running(p)]
+        time.sleep(0.1)
+    for p in alive:
+        os.kill(p, signal.SIGKILL)
+    assert not alive, f"workers {alive} outlived their launcher"
+
+
+def _running(pid):
+    """Whether `pid` runs (and is no zombie: the init process reaps orphans late)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def _default_signals():
     """The dispositions of a launcher started from a terminal: a background job (as the
     suite may run) inherits SIGINT and SIGQUIT ignored, and `nohup` SIGHUP, which the

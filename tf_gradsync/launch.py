@@ -10,7 +10,9 @@ SIGTERM, SIGHUP (the terminal closed) or SIGQUIT that reaches the launcher is fo
 to every worker as it came, so a worker's own handlers run (a KeyboardInterrupt for
 Ctrl-C). TensorFlow installs its own SIGTERM handler, so a worker may ignore the signal:
 after `--grace_seconds` the whole process group gets SIGKILL, and no process is left
-behind (unless the launcher itself is killed with SIGKILL, which it cannot see).
+behind. On Linux a worker also gets SIGKILL when the launcher dies without stopping it
+(killed with SIGKILL itself, or out of memory); processes the worker started are then
+left to it.
 
 `--restarts=K` re-runs the whole job after a failure, up to K times: every worker is
 stopped, then all start again (on fresh free ports unless `--port` is given) with
@@ -57,6 +59,16 @@ THREADS_ENV = "TF_NUM_INTRAOP_THREADS"
 #: Exit code of an attempt stopped by `--attempt_timeout` (as coreutils' `timeout`).
 TIMEOUT_CODE = 124
 _HOST = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+)$")
+#: Runs first in each worker's process, then becomes the worker's command (argv: the
+#: launcher's pid, then the command): Linux sends the worker SIGKILL when the thread that
+#: started it ends, so a launcher that dies without a chance to stop its workers (SIGKILL)
+#: leaves none behind (`prctl(PR_SET_PDEATHSIG)`, kept across exec). A launcher that
+#: died before the call is seen as a new parent pid.
+_PARENT_DEATH_GUARD = (
+    "import ctypes, os, sys\n"
+    "ctypes.CDLL(None).prctl(1, 9)\n"
+    "if os.getppid() != int(sys.argv[1]): os._exit(137)\n"
+    "os.execvp(sys.argv[2], sys.argv[2:])\n")
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
@@ -217,10 +229,15 @@ class Job:
         env = dict(env or {})
         if THREADS_ENV not in env:
             env.update(thread_env(len(configs), threads))
+        # The signal follows the starting thread, not the process: a Job started from
+        # another thread would lose its workers when that thread ends.
+        guard = [sys.executable, "-S", "-c", _PARENT_DEATH_GUARD, str(os.getpid())] \
+            if sys.platform.startswith("linux") \
+            and threading.current_thread() is threading.main_thread() else []
         for rank, cfg in enumerate(configs):
             wenv = dict(os.environ, **env, TF_CONFIG=json.dumps(cfg), PYTHONUNBUFFERED="1")
             prefix = list(prefixes[rank]) if prefixes else []
-            proc = subprocess.Popen([*prefix, sys.executable, *command], env=wenv,
+            proc = subprocess.Popen([*guard, *prefix, sys.executable, *command], env=wenv,
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                     start_new_session=True)
             self.procs.append(proc)
