@@ -14,7 +14,7 @@ import tensorflow as tf
 
 import tf_gradsync as gs
 from tf_gradsync import report
-from tf_gradsync.callbacks import CommunicationMonitor, StepMonitor, is_chief
+from tf_gradsync.callbacks import CommunicationMonitor, StepMonitor, _common, is_chief
 import _tf_keras  # tests/_tf_keras.py
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -169,6 +169,35 @@ def test_nan_loss_does_not_crash(tmp_path):
     rows = _jsonl(path)                       # strict: NaN would fail to parse
     assert len(rows) == 5 and rows[-1]["loss"] is None
     assert (tmp_path / "nan.csv").exists()
+
+
+class _Counters:
+    """Stands in for the ops: `stats()` returns the next of the given dicts."""
+
+    def __init__(self, *stats):
+        self._stats = iter(stats)
+
+    def stats(self):
+        return next(self._stats)
+
+
+def test_batches_without_a_finite_error_are_left_out_of_the_epochs_error():
+    """Keras 3 skips a loss-scaled step that overflowed before any all-reduce (the ops
+    see no step), and a non-finite gradient gives a NaN error: neither may count as an
+    error of 0 (which halved the epoch's) or poison the epoch's mean (NaN)."""
+    def at(steps, error):
+        return {"steps": steps, "bytes_sent": 10 * steps, "bytes_dense": 40 * steps,
+                "comm_error": error}
+    meter = _common.Meter(_Counters(at(0, 0.0), at(2, 0.1), at(2, 0.1), at(3, np.nan),
+                                    at(4, 0.4)))
+    records = [meter.measure(0.01) for _ in range(4)]
+    assert [r["steps"] for r in records] == [2, 1, 1, 1]
+    assert [r["comm_bytes"] for r in records] == [10, 0, 10, 10]
+    assert np.isnan(records[1]["comm_error"]) and np.isnan(records[2]["comm_error"])
+    epoch = _common.summarise(records, meter.total_sent())
+    assert epoch["comm_error"] == pytest.approx((2 * 0.1 + 0.4) / 3)
+    assert epoch["steps"] == 5 and epoch["comm_bytes"] == pytest.approx(40 / 5)
+    assert np.isnan(_common.summarise(records[1:3], 0)["comm_error"])
 
 
 class _Interrupt(tf.keras.callbacks.Callback):

@@ -114,3 +114,29 @@ def test_tf_keras_skips_what_only_another_replica_or_the_wire_makes_non_finite()
     for name, skipped, moved, finite, scale in rows:
         assert (skipped, moved, finite) == ("True", "True", "True"), (name, rows)
         assert float(scale) < 32768, (name, rows)
+
+
+@pytest.mark.parametrize("name", ["int8", "topk"])
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_stats_error_of_a_nonfinite_step_is_nan_not_zero(name, bad, devices):
+    """A step whose gradient held a NaN read as a perfect 0.0 error (NaN > 0 is False)."""
+    ops = gs.CompressedAllReduce(name)
+    strategy = tf.distribute.MirroredStrategy(devices, cross_device_ops=ops)
+    x = np.random.default_rng(0).normal(size=4096).astype(np.float32)
+    y = x.copy()
+    y[7] = bad
+
+    @tf.function
+    def step(poison):
+        def fn():
+            ctx = tf.distribute.get_replica_context()
+            bad_here = tf.logical_and(poison, tf.equal(ctx.replica_id_in_sync_group, 1))
+            return ctx.all_reduce("SUM", tf.where(bad_here, tf.constant(y), tf.constant(x)))
+        return strategy.run(fn)
+
+    errors = []
+    for poison in (False, True, False):
+        step(tf.constant(poison))
+        errors.append(ops.stats()["comm_error"])
+    assert 0 < errors[0] < 1 and np.isnan(errors[1]) and errors[2] == pytest.approx(
+        errors[0], rel=0.5)

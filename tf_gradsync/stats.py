@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import tensorflow as tf
 
 from tf_gradsync.state import SyncState
@@ -96,7 +98,8 @@ class Stats:
           traffic), and `comm_error`: the latest step's relative compression error
           ||x - C(x)|| / ||x|| over its buckets and local replicas, x what each replica
           compressed (its gradient, plus its residual under error feedback) and C(x)
-          what its payload decodes to (0.0 before any step, and when not measured).
+          what its payload decodes to (0.0 before any step, and when not measured; NaN
+          when a gradient of that step was not finite).
         """
         self._ensure()
         out = {f: int(self._vars[f].numpy()) for f in self._FIELDS}
@@ -104,7 +107,10 @@ class Stats:
         # A counter restored from before the reset (an older checkpoint) counts whole.
         out["steps"] -= base if out["steps"] >= base else 0
         err, norm = (float(self._vars[f].numpy()) for f in self._ERROR_FIELDS)
-        out["comm_error"] = (err / norm) ** 0.5 if norm > 0 else 0.0
+        if not (math.isfinite(err) and math.isfinite(norm)):
+            out["comm_error"] = math.nan      # a non-finite gradient: no error to tell
+        else:
+            out["comm_error"] = (err / norm) ** 0.5 if norm > 0 else 0.0
         out["compression_ratio"] = (out["bytes_dense"] / out["bytes_sent"]
                                     if out["bytes_sent"] else 1.0)
         out["bytes_sent_per_step"] = out["bytes_sent"] / out["steps"] if out["steps"] else 0.0

@@ -98,8 +98,10 @@ class Meter:
         rec = {"step": self.step, "steps": n, "comm_bytes": sent / n,
                "comm_bytes_dense": dense / n,
                "compression_ratio": dense / sent if sent else 1.0,
-               # Of the latest synchronisation (the only one with steps_per_execution 1).
-               "comm_error": now["comm_error"],
+               # Of the latest synchronisation (the only one with steps_per_execution 1);
+               # none in batches that reduced nothing (e.g. Keras 3 skipping a step whose
+               # loss-scaled gradient overflowed, before any all-reduce).
+               "comm_error": now["comm_error"] if steps else math.nan,
                "step_time_ms": None, "samples_per_sec": None}
         if elapsed_s is not None and elapsed_s > 0:
             rec["step_time_ms"] = 1000.0 * elapsed_s / n
@@ -124,14 +126,18 @@ def summarise(records: list[dict], total_sent: int) -> dict:
              for r in timed if r["samples_per_sec"] is not None]
     rate_s = sum(t for _, t in rates)
     per_step = [r["step_time_ms"] for r in timed]
+    # Steps without a finite error (a non-finite gradient, nothing reduced) tell nothing
+    # of the compressor's error: averaged, they would hide it (NaN) or halve it (0).
+    measured = [r for r in records if math.isfinite(r["comm_error"])]
+    measured_steps = sum(r["steps"] for r in measured)
     nan = float("nan")
     return {
         "steps": steps,
         "comm_bytes": sent / steps if steps else 0.0,
         "comm_bytes_dense": dense / steps if steps else 0.0,
         "compression_ratio": dense / sent if sent else 1.0,
-        "comm_error": (sum(r["comm_error"] * r["steps"] for r in records) / steps
-                       if steps else nan),
+        "comm_error": (sum(r["comm_error"] * r["steps"] for r in measured) / measured_steps
+                       if measured_steps else nan),
         "step_time_ms": 1000.0 * time_s / timed_steps if timed_steps else nan,
         "samples_per_sec": sum(v * t for v, t in rates) / rate_s if rate_s else nan,
         "comm_bytes_total": total_sent,

@@ -26,7 +26,9 @@ class CommunicationMonitor(tf.keras.callbacks.Callback):
     * `compression_ratio`: `comm_bytes_dense / comm_bytes`.
     * `comm_error`: the relative compression error ||x - C(x)|| / ||x|| of the latest
       gradient synchronisation, over its buckets and replicas (`ops.stats()`): what
-      compression did to the gradients that were sent (0 for `none`).
+      compression did to the gradients that were sent (0 for `none`); NaN in a batch
+      whose gradient was not finite or that reduced nothing, and left out of the
+      epoch's mean.
     * `step_time_ms`: wall time per step between `on_train_batch_begin` and
       `on_train_batch_end`, divided by the steps the batch covered (more than one with
       `steps_per_execution > 1`). The first batch of training includes tracing and is
