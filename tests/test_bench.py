@@ -105,7 +105,8 @@ def test_bad_flags_are_refused_before_anything_is_measured(args, message):
 def test_micro_takes_a_compressors_settings():
     from tf_gradsync.bench import micro     # defines absl flags
     row = micro.measure("topk:ratio=0.1", 1000, repeats=1)
-    assert row["compressor"] == "topk" and row["ratio"] == pytest.approx(5, rel=0.01)
+    # Labelled as given: two settings of one compressor stay apart in tables and figures.
+    assert row["compressor"] == "topk:ratio=0.1" and row["ratio"] == pytest.approx(5, rel=0.01)
 
 
 def test_a_train_step_under_tensorflows_own_ops_makes_its_slots_first():
@@ -217,6 +218,20 @@ def test_time_to_target():
     assert not bench.ops_from_spec("powersgd:error_feedback=false").compressor.error_feedback
     with pytest.raises(ValueError, match="rank16"):
         bench.ops_from_spec("powersgd:rank16")
+
+
+def test_a_spec_takes_exponents_and_names_itself_in_errors():
+    """`1e-3` is a number (YAML 1.1 wants a dot); a key given twice is refused (the last
+    one won); an error of one spec in a list names that spec."""
+    from tf_gradsync import bench
+    assert bench.split_spec("topk:ratio=1e-3:k=1E+2") == ("topk", {"ratio": 1e-3, "k": 100.0}, {})
+    assert bench.ops_from_spec("topk:ratio=2.5e-2").compressor.inner.ratio == 0.025
+    with pytest.raises(ValueError, match=r"ratio is given twice in 'topk:ratio=0.1:ratio=0.2'"):
+        bench.split_spec("topk:ratio=0.1:ratio=0.2")
+    with pytest.raises(ValueError, match=r"^randomk:ratio=0: .*ratio"):
+        bench.ops_from_spec("randomk:ratio=0")
+    with pytest.raises(ValueError, match=r"^bogus: unknown compressor 'bogus'"):
+        bench.ops_from_spec("bogus")
 
 
 def test_recipe_overrides():

@@ -1834,6 +1834,26 @@ def test_a_bare_tensor_payload_or_a_decode_of_another_dtype_is_named(registry):
         reduce(_scaled_sign(decode_dtype=tf.float64)(), [rand(N), rand(N, seed=1)])
 
 
+@pytest.mark.parametrize("returned", ["bare payload", "no meta"])
+def test_a_bad_payload_is_named_before_auto_sizes_it(registry, devices, returned):
+    """exchange="auto" sizes a bucket's payload to choose between gathering and two
+    phases; a bad payload met there was iterated as a symbolic tensor instead."""
+    class Bad(C.Compressor):
+        def compress(self, x, ctx):
+            return (x, None) if returned == "bare payload" else x
+
+        def decompress(self, payload, meta):
+            return payload[0]
+    C.register("bad_payload")(Bad)
+    ops = gs.CompressedAllReduce("bad_payload")
+    strategy = tf.distribute.MirroredStrategy(devices, cross_device_ops=ops)
+    value = strategy.experimental_distribute_values_from_function(
+        lambda ctx: tf.ones([64]) * tf.cast(ctx.replica_id_in_sync_group, tf.float32))
+    with pytest.raises(TypeError, match="Bad.compress must return .payload, meta., the payload "
+                                        "a tuple of tensors; got .*Tensor"):
+        ops.batch_reduce(tf.distribute.ReduceOp.SUM, [(value, value)])
+
+
 def test_a_codec_that_reads_state_is_told_to_override_codec(registry):
     """Payloads are sized from `codec()` without state (the planner, `auto`'s choice
     between gathering and two phases): a compressor whose compress reads its state is

@@ -190,6 +190,15 @@ def test_bad_value_is_named_with_what_is_allowed(fn, needles):
 
 
 # ------------------------------------------------------------ presets on disk
+def test_a_preset_reads_exponents_as_numbers(tmp_path):
+    """YAML 1.1 (PyYAML's) reads `1e-3` without a dot as a string."""
+    path = tmp_path / "sci.yaml"
+    path.write_text("compression: topk\ncompression_options: {ratio: 1e-3}\n"
+                    "timeout_seconds: 6E+1\n")
+    ops = gs.load_config(path)
+    assert ops.compressor.inner.ratio == 1e-3
+
+
 def test_bad_yaml_names_the_file(tmp_path):
     path = tmp_path / "broken.yaml"
     path.write_text("compression: fp16\n  bucket_bytes: [1\n")

@@ -17,6 +17,7 @@ import dataclasses
 import math
 import numbers
 import os
+import re
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -157,7 +158,7 @@ def parse_config(source: str | os.PathLike | Mapping[str, Any]) -> SyncConfig:
     with open(path, encoding="utf-8") as f:
         text = f.read()
     try:
-        data = _load_yaml(text)
+        data = load_yaml(text)
         if data is None:
             raise ValueError("the preset is empty; give at least `compression: NAME`")
         if not isinstance(data, dict):
@@ -193,13 +194,21 @@ def _validated(data: dict) -> SyncConfig:
     return SyncConfig(**data)
 
 
-def _load_yaml(text: str):
+def load_yaml(text: str):
     """`yaml.safe_load`, refusing a key given twice in one mapping (YAML keeps the last
-    one silently)."""
+    one silently), and reading `1e-3` as a number (YAML 1.1, PyYAML's, wants a dot:
+    `1.0e-3`; it read the small ratios users write as strings).
+
+    Raises:
+      ValueError: for text that does not parse, or a key given twice.
+    """
     import yaml  # pylint: disable=import-outside-toplevel  (~20 ms; only for files)
 
     class Loader(yaml.SafeLoader):     # pylint: disable=too-many-ancestors
         pass
+    Loader.add_implicit_resolver("tag:yaml.org,2002:float",
+                                 re.compile(r"^[-+]?([0-9]+\.?[0-9]*|\.[0-9]+)[eE][-+]?[0-9]+$"),
+                                 list("-+0123456789."))
 
     def mapping(loader, node, deep=False):
         keys = [loader.construct_object(k, deep=deep) for k, _ in node.value]

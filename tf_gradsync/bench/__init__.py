@@ -43,7 +43,17 @@ def ops_from_spec(spec: str, **ops_kwargs):
     """
     import tf_gradsync as gs  # pylint: disable=import-outside-toplevel
     name, kwargs, ops = split_spec(spec)
-    return gs.CompressedAllReduce(gs.compression.get(name, **kwargs), **{**ops_kwargs, **ops})
+    return gs.CompressedAllReduce(build_compressor(name, kwargs, spec), **{**ops_kwargs, **ops})
+
+
+def build_compressor(name: str, kwargs: dict, spec: str):
+    """`compression.get(name, **kwargs)`; its errors name the `spec` they came from
+    (a list of several would leave the user to guess which one)."""
+    from tf_gradsync import compression  # pylint: disable=import-outside-toplevel
+    try:
+        return compression.get(name, **kwargs)
+    except ValueError as e:
+        raise ValueError(f"{spec}: {e}") from None
 
 
 #: Keys of a spec that go to `CompressedAllReduce` rather than to the compressor.
@@ -57,9 +67,10 @@ def split_spec(spec: str) -> tuple[str, dict, dict]:
     `error_feedback`.
 
     Raises:
-      ValueError: for an argument without `=`.
+      ValueError: for an argument without `=`, a key given twice or a value that is
+        not YAML.
     """
-    import yaml  # pylint: disable=import-outside-toplevel
+    from tf_gradsync import config  # pylint: disable=import-outside-toplevel
     name, *args = spec.split(":")
     kwargs = {}
     for arg in args:
@@ -67,7 +78,12 @@ def split_spec(spec: str) -> tuple[str, dict, dict]:
         if not eq or not key:
             raise ValueError(f"bad compressor argument {arg!r} in {spec!r}; "
                              "expected name:key=value[:key=value...]")
-        kwargs[key] = yaml.safe_load(value)
+        if key in kwargs:
+            raise ValueError(f"{key} is given twice in {spec!r}")
+        try:
+            kwargs[key] = config.load_yaml(value)
+        except ValueError:
+            raise ValueError(f"{arg!r} in {spec!r}: {value!r} is no YAML value") from None
     ops = {k: kwargs.pop(k) for k in OPS_KEYS
            if k in kwargs and not (k == "error_feedback" and name == "powersgd")}
     return name, kwargs, ops

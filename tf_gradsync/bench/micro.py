@@ -13,7 +13,7 @@ import tensorflow as tf
 from absl import flags
 
 from tf_gradsync import compression, costmodel
-from tf_gradsync.bench import keep_freed_buffers, split_spec
+from tf_gradsync.bench import build_compressor, keep_freed_buffers, split_spec
 
 flags.DEFINE_list("sizes", ["1000000", "25000000"], "micro: bucket sizes (elements).")
 flags.DEFINE_integer("repeats", 5, "micro: timed repetitions.", lower_bound=1)
@@ -41,7 +41,8 @@ def measure(name, numel: int, repeats: int = 5, jit_compile: bool = True,
                                        jit_compile=jit_compile)
     sec, sent = row["seconds"], row["payload_bytes"]
     dense = numel * 4
-    return {"compressor": compressor.name, "numel": numel, "jit_compile": jit_compile,
+    # Labelled as given: rows of one compressor at several settings stay apart.
+    return {"compressor": name if isinstance(name, str) else compressor.name, "numel": numel, "jit_compile": jit_compile,
             "data_path": data_path, "seconds": sec, "ms": sec * 1e3,
             "gb_per_s": dense / sec / 1e9, "payload_bytes": sent, "ratio": dense / max(sent, 1)}
 
@@ -60,7 +61,7 @@ def compressor_of(spec) -> compression.Compressor:
         raise ValueError(f"micro times the compressor alone; {', '.join(ops)} in {spec!r} "
                          "set the ops (micro_data_path times a bucket's data path as they "
                          "run it)")
-    return compression.get(name, **kwargs)
+    return build_compressor(name, kwargs, spec)
 
 
 def check() -> None:

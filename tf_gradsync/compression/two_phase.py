@@ -202,7 +202,8 @@ def payload_bytes(compressor: Compressor, layout: Layout, parts: int) -> tuple[i
         key = (id(codec), chunk)
         if key not in sizes:
             ctx = Context(state=NoState(codec), layout=chunk, mode=codec.steady_mode())
-            payload, _ = codec.compress(tf.zeros([chunk.numel], chunk.dtype), ctx)
+            payload, _ = xla.checked(codec, codec.compress(tf.zeros([chunk.numel], chunk.dtype),
+                                                           ctx))
             sizes[key] = nbytes(payload)
         return sizes[key]
 

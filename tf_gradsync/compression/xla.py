@@ -84,23 +84,29 @@ def compress(compressor, x: tf.Tensor, ctx):
     (`Context.jit_compile`) and the compressor's compress compiles (`xla_compress`:
     its meta then holds no tensors, only Python values)."""
     if not (ctx.jit_compile and compressor.xla_compress):
-        return _checked(compressor, *compressor.compress(x, ctx))
+        return checked(compressor, compressor.compress(x, ctx))
     metas = []
 
     def payload(v):
-        sent, meta = _checked(compressor, *compressor.compress(v, ctx))
+        sent, meta = checked(compressor, compressor.compress(v, ctx))
         metas.append(meta)
         return sent
     return call(payload, x), metas[0]
 
 
-def _checked(compressor, payload, meta) -> tuple[tuple, Any]:
-    """`(payload, meta)`, the payload a tuple of tensors, or an error that says so."""
-    sequence = isinstance(payload, (tuple, list))    # a tensor is neither
-    if not sequence or not all(tf.is_tensor(t) for t in payload):
-        got = [type(t).__name__ for t in payload] if sequence else type(payload).__name__
+def checked(compressor, returned) -> tuple[tuple, Any]:
+    """What `compressor.compress` `returned` as `(payload, meta)`, the payload a tuple of
+    tensors, or an error that says what it was (unpacked unchecked, a tensor would fail
+    as a symbolic tensor iterated)."""
+    def refuse(got):
         raise TypeError(f"{type(compressor).__name__}.compress must return (payload, meta), "
                         f"the payload a tuple of tensors; got {got}")
+    if not (isinstance(returned, (tuple, list)) and len(returned) == 2):
+        refuse(type(returned).__name__)
+    payload, meta = returned
+    sequence = isinstance(payload, (tuple, list))    # a tensor is neither
+    if not sequence or not all(tf.is_tensor(t) for t in payload):
+        refuse([type(t).__name__ for t in payload] if sequence else type(payload).__name__)
     return tuple(payload), meta
 
 
