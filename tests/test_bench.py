@@ -82,7 +82,8 @@ def test_an_output_in_a_missing_folder_is_refused_before_the_suite_runs(tmp_path
 @pytest.mark.parametrize("args,message", [
     (["micro", "--sizes=0"], "--sizes must be element counts >= 1"),
     (["micro", "--repeats=0"], "flag --repeats=0: 0 is not a positive integer"),
-    (["micro", "--compressors=fp16,bogus"], "unknown compressor 'bogus'; valid names:"),
+    (["micro", "--compressors=fp16,bogus"],
+     "--compressors=bogus: unknown compressor 'bogus'; valid names:"),
     (["micro", "--compressors=topk:exchange=gather"], "micro times the compressor alone; "
                                                        "exchange in 'topk:exchange=gather'"),
     (["micro", "--micro_jit_compile=maybe"], "--micro_jit_compile takes true and/or false"),
@@ -220,18 +221,14 @@ def test_time_to_target():
         bench.ops_from_spec("powersgd:rank16")
 
 
-def test_a_spec_takes_exponents_and_names_itself_in_errors():
+def test_a_spec_takes_exponents_and_a_key_once():
     """`1e-3` is a number (YAML 1.1 wants a dot); a key given twice is refused (the last
-    one won); an error of one spec in a list names that spec."""
+    one won)."""
     from tf_gradsync import bench
     assert bench.split_spec("topk:ratio=1e-3:k=1E+2") == ("topk", {"ratio": 1e-3, "k": 100.0}, {})
     assert bench.ops_from_spec("topk:ratio=2.5e-2").compressor.inner.ratio == 0.025
     with pytest.raises(ValueError, match=r"ratio is given twice in 'topk:ratio=0.1:ratio=0.2'"):
         bench.split_spec("topk:ratio=0.1:ratio=0.2")
-    with pytest.raises(ValueError, match=r"^randomk:ratio=0: .*ratio"):
-        bench.ops_from_spec("randomk:ratio=0")
-    with pytest.raises(ValueError, match=r"^bogus: unknown compressor 'bogus'"):
-        bench.ops_from_spec("bogus")
 
 
 def test_recipe_overrides():

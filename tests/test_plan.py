@@ -264,6 +264,9 @@ def test_the_command_line_prints_and_writes_rows(tmp_path):
     (["--compute_s=1"], "give exactly one of --params"),
     (["--params=1000", "--compute_s=1", "--workers=0"], "--workers must be integers >= 1"),
     (["--params=1000", "--compute_s=1", "--compressors=zip"], "unknown compressor 'zip'"),
+    # Which of the list, and before a missing --compute_s.
+    (["--params=1000", "--compressors=topk:ratio=1e-2,randomk:ratio=0"],
+     "--compressors=randomk:ratio=0: ratio must be"),
     (["--params=1000", "--compute_s=1", "--json=/no/such/folder/rows.json"],
      "--json=/no/such/folder/rows.json: folder '/no/such/folder' does not exist"),
     (["--params=1000", "--compute_s=1", "--json=/tmp"],

@@ -43,17 +43,7 @@ def ops_from_spec(spec: str, **ops_kwargs):
     """
     import tf_gradsync as gs  # pylint: disable=import-outside-toplevel
     name, kwargs, ops = split_spec(spec)
-    return gs.CompressedAllReduce(build_compressor(name, kwargs, spec), **{**ops_kwargs, **ops})
-
-
-def build_compressor(name: str, kwargs: dict, spec: str):
-    """`compression.get(name, **kwargs)`; its errors name the `spec` they came from
-    (a list of several would leave the user to guess which one)."""
-    from tf_gradsync import compression  # pylint: disable=import-outside-toplevel
-    try:
-        return compression.get(name, **kwargs)
-    except ValueError as e:
-        raise ValueError(f"{spec}: {e}") from None
+    return gs.CompressedAllReduce(gs.compression.get(name, **kwargs), **{**ops_kwargs, **ops})
 
 
 #: Keys of a spec that go to `CompressedAllReduce` rather than to the compressor.

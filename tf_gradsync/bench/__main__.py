@@ -100,7 +100,10 @@ def main(argv):
         check_outputs(json=FLAGS.json, png=FLAGS.png, timeline_png=FLAGS.timeline_png)
         for spec in FLAGS.compressors or ():
             if spec not in MODES:
-                ops_from_spec(spec)
+                try:
+                    ops_from_spec(spec)
+                except ValueError as e:    # which one of the list
+                    raise ValueError(f"--compressors={spec}: {e}") from None
         if hasattr(suite, "check"):
             suite.check()
     except ValueError as e:

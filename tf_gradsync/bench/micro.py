@@ -13,7 +13,7 @@ import tensorflow as tf
 from absl import flags
 
 from tf_gradsync import compression, costmodel
-from tf_gradsync.bench import build_compressor, keep_freed_buffers, split_spec
+from tf_gradsync.bench import keep_freed_buffers, split_spec
 
 flags.DEFINE_list("sizes", ["1000000", "25000000"], "micro: bucket sizes (elements).")
 flags.DEFINE_integer("repeats", 5, "micro: timed repetitions.", lower_bound=1)
@@ -61,7 +61,7 @@ def compressor_of(spec) -> compression.Compressor:
         raise ValueError(f"micro times the compressor alone; {', '.join(ops)} in {spec!r} "
                          "set the ops (micro_data_path times a bucket's data path as they "
                          "run it)")
-    return build_compressor(name, kwargs, spec)
+    return compression.get(name, **kwargs)
 
 
 def check() -> None:
