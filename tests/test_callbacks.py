@@ -389,8 +389,13 @@ def test_report_reads_a_running_jobs_file_and_refuses_the_rest_in_a_line(runs, t
     bad.write_text("{not json\n" + whole)
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
+    listed = tmp_path / "list.jsonl"
+    listed.write_text("[1, 2]\n" + whole)
     for args, message in [([str(tmp_path / "missing.jsonl")], "report: [Errno 2]"),
                           ([str(bad)], "bad.jsonl:1: not a JSON line"),
+                          ([str(listed)], "list.jsonl:1: not a record (a JSON object), got list"),
+                          ([str(torn), "--out", str(tmp_path)],
+                           f"--out={tmp_path} is a folder; name a file"),
                           ([str(empty)], "empty.jsonl: no batch records"),
                           ([str(torn), "--out", "/no/such/dir/r.png"],
                            "--out=/no/such/dir/r.png: folder '/no/such/dir' does not exist"),
@@ -408,6 +413,10 @@ def test_report_reads_a_running_jobs_file_and_refuses_the_rest_in_a_line(runs, t
     assert report.main([str(torn), str(torn), "--out", str(tmp_path / "r.png")]) == 0
     rows = capsys.readouterr().out.splitlines()[2:4]
     assert "torn (2)" not in rows[0] and "torn (2)" in rows[1]
+    # Without an extension matplotlib writes a PNG by that name plus .png: said as written.
+    assert report.main([str(torn), "--out", str(tmp_path / "plain")]) == 0
+    assert f"figure: {tmp_path / 'plain.png'}" in capsys.readouterr().out
+    assert (tmp_path / "plain.png").is_file()
 
 
 def test_report_without_matplotlib_says_what_to_install(monkeypatch):

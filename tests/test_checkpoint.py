@@ -125,6 +125,55 @@ def test_save_weights_carries_state(data, devices, tmp_path):
     assert _state_values(ops2)["stats_steps"] == int(np.ceil(len(x) / BATCH))
 
 
+def test_an_optimizer_resuming_without_its_compression_state_is_warned_of(devices, tmp_path,
+                                                                          caplog):
+    """A checkpoint restored into new objects while those that trained live on (a
+    notebook's history holds them): the new optimizer's compression state starts from
+    initial values, and what the restore wrote stays with the old one. Or model and
+    optimizer restored without the ops. Both were silent; a resume into the same objects,
+    or with the ops' state, is not warned of."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 12)).astype(np.float32)
+    y = rng.normal(size=(64, 4)).astype(np.float32)
+
+    def setup(ops):
+        strategy = tf.distribute.MirroredStrategy(devices, cross_device_ops=ops)
+        model, opt = _regression.model_and_optimizer(strategy, 12, 4, hidden=16, seed=5)
+        step = _regression.train_step(strategy, model, opt)
+        return model, opt, lambda: step(*next(iter(strategy.experimental_distribute_dataset(
+            tf.data.Dataset.from_tensor_slices((x, y)).batch(32)))))
+
+    def warned(run):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            run()
+        return caplog.text
+
+    ops = gs.CompressedAllReduce(gs.compression.get("topk", ratio=0.25))
+    model, opt, step = setup(ops)
+    assert "tf_gradsync: an optimizer" not in warned(step) + warned(step)
+    path = tf.train.Checkpoint(model=model, optimizer=opt, gradsync=ops).write(
+        str(tmp_path / "ckpt"))
+    # Into the same objects: their slot holds what the restore wrote.
+    tf.train.Checkpoint(model=model, optimizer=opt, gradsync=ops).restore(path)
+    assert "tf_gradsync: an optimizer" not in warned(step)
+
+    model2, opt2, step2 = setup(ops)
+    tf.train.Checkpoint(model=model2, optimizer=opt2, gradsync=ops).restore(path)
+    assert "has taken 2 steps (restored from a checkpoint?) reduces tensors whose " \
+           "compression state belongs to another optimizer, still alive" in warned(step2)
+
+    ops3 = gs.CompressedAllReduce(gs.compression.get("topk", ratio=0.25))
+    model3, opt3, step3 = setup(ops3)
+    tf.train.Checkpoint(model=model3, optimizer=opt3).restore(path)
+    assert "no compression state was restored for its tensors" in warned(step3)
+
+    ops4 = gs.CompressedAllReduce(gs.compression.get("topk", ratio=0.25))
+    model4, opt4, step4 = setup(ops4)
+    tf.train.Checkpoint(model=model4, optimizer=opt4, gradsync=ops4).restore(path)
+    assert "tf_gradsync: an optimizer" not in warned(step4)
+    del model, opt, step
+
 def test_tf_train_checkpoint_custom_loop_resumes_exactly(devices, tmp_path):
     rng = np.random.default_rng(0)
     x = rng.normal(size=(256, 12)).astype(np.float32)

@@ -37,6 +37,8 @@ def case(label, fn, *needles):
 
 # Each row names the bad value and the allowed values or range it expects in the message.
 CASES = [
+    case("logical-cpus-string", lambda: gs.logical_cpus("2"), "'2'", ">= 1"),
+    case("logical-cpus-float", lambda: gs.logical_cpus(2.0), "2.0", "integer"),
     # ------------------------------------------------------------ SyncConfig / presets
     case("config-source", lambda: gs.parse_config(42), "got 42", "a YAML path or a mapping"),
     case("config-bucket-bool", lambda: gs.SyncConfig(bucket_bytes=True),
@@ -180,6 +182,13 @@ def test_numpy_numbers_are_numbers():
     with pytest.raises(ValueError, match="ratio must be a number.*got np.True_"):
         C.get("topk", ratio=np.True_)
 
+
+
+def test_a_compressors_setting_given_to_the_ops_says_where_it_goes():
+    with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\) \['ratio'\]; a "
+                       r"compressor's own settings go to the compressor: CompressedAllReduce\("
+                       r"tf_gradsync.compression.get\('topk', ratio=...\)\)"):
+        gs.CompressedAllReduce("topk", ratio=0.1)
 
 @pytest.mark.parametrize("fn,needles", CASES)
 def test_bad_value_is_named_with_what_is_allowed(fn, needles):

@@ -386,7 +386,10 @@ def autotune(strategy: tf.distribute.Strategy, weights, *, compute: float | Call
     for n in names:
         compression.get(n)                     # a clear error for an unknown name
     for b in bucket_sizes:                     # and for sizes or arguments the ops refuse
-        CompressedAllReduce("none", bucket_bytes=b, **ops_kwargs)
+        try:
+            CompressedAllReduce("none", bucket_bytes=b, **ops_kwargs)
+        except TypeError as e:                 # an argument it does not have
+            raise ValueError(f"autotune: {e}") from None
     if len({b for b in probe_bytes if _positive_int(b)}) < 2 or not all(
             _positive_int(b) for b in probe_bytes):
         raise ValueError(f"probe_bytes must be two or more sizes in bytes (integers >= 1), "

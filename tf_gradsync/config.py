@@ -231,7 +231,9 @@ def load_config(source: str | os.PathLike | Mapping[str, Any]):
 
     Args:
       source: path of a YAML file, the name of a shipped preset (`presets()`: "fp16",
-        "topk-1pct", ...; "configs/fp16.yaml" finds it too) or an equivalent mapping.
+        "topk-1pct", ...; "configs/fp16.yaml" finds it too) or an equivalent mapping
+        (the constructor's arguments, where `compression` defaults to "none" as in
+        `CompressedAllReduce`; a file must name it).
 
     Returns:
       A configured `tf_gradsync.CompressedAllReduce`.

@@ -34,7 +34,9 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
       algorithm: "auto", "ring", "tree" or "collective" (TF collective ops).
       error_feedback: wrap the compressor in `ErrorFeedback` (a residual per bucket and
         replica, in float32 for 16/32-bit input: 4 bytes per gradient element per
-        replica). None (default): on for biased compressors, off for unbiased ones.
+        replica). None (default): the compressor's `default_error_feedback`, on for
+        biased compressors and off for unbiased ones, but TernGrad (biased only by its
+        clipping of outliers) goes without.
         Compressors with their own memory (PowerSGD, DGC) refuse True.
       timeout_seconds: a collective whose peers do not arrive within this time fails
         instead of hanging (None: wait forever).
@@ -70,7 +72,10 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
 
     Example:
       >>> ops = tf_gradsync.CompressedAllReduce("fp16", bucket_bytes=4 * 2**20)
-      >>> strategy = tf.distribute.MirroredStrategy(cross_device_ops=ops)
+      >>> # Two devices at least (one reduces nothing, and never calls the ops): GPUs, or
+      >>> # a CPU split in two before TensorFlow starts.
+      >>> strategy = tf.distribute.MirroredStrategy(tf_gradsync.logical_cpus(2),
+      ...                                           cross_device_ops=ops)
       >>> # ... model.fit(...) ...
       >>> ops.stats()["compression_ratio"]
       2.0
@@ -81,7 +86,14 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
                  algorithm: str = "auto", error_feedback: bool | None = None,
                  timeout_seconds: float | None = None, warmup_steps: int = 0,
                  measure_error: bool = True, exchange: str = "auto", guard: bool = False,
-                 jit_compile: bool = True, name: str | None = None):
+                 jit_compile: bool = True, name: str | None = None, **compressor_settings):
+        if compressor_settings:    # CompressedAllReduce("topk", ratio=0.1), a natural slip
+            keys = ", ".join(f"{k}=..." for k in compressor_settings)
+            raise TypeError(
+                f"CompressedAllReduce got unexpected keyword argument(s) "
+                f"{sorted(compressor_settings)}; a compressor's own settings go to the "
+                f"compressor: CompressedAllReduce(tf_gradsync.compression.get({compression!r}, "
+                f"{keys}))")
         if name is not None and not isinstance(name, str):
             raise ValueError(f"name must be a string or None, got {name!r}")
         tf.distribute.CrossDeviceOps.__init__(self)

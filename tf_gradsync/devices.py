@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numbers
+
 import tensorflow as tf
 
 
@@ -12,11 +14,11 @@ def logical_cpus(n: int) -> list[str]:
     it again with the same `n` is harmless.
 
     Raises:
-      ValueError: if `n` < 1.
+      ValueError: if `n` is not an integer >= 1.
       RuntimeError: if TensorFlow already initialised a different device layout.
     """
-    if n < 1:
-        raise ValueError(f"need at least one logical CPU device, got {n}")
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
+        raise ValueError(f"need an integer count of logical CPU devices >= 1, got {n!r}")
     cpu = tf.config.list_physical_devices("CPU")[0]
     try:
         tf.config.set_logical_device_configuration(

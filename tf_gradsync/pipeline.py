@@ -20,6 +20,7 @@ import weakref
 from typing import Iterator, Sequence
 
 import tensorflow as tf
+from absl import logging
 
 from tf_gradsync import _tf_compat, algorithms, costmodel
 from tf_gradsync.algorithms import Wire
@@ -204,6 +205,7 @@ class Pipeline:
         else:
             slot = self._dead_slot(slots) if self.num_workers == 1 else None
             if slot is None:
+                self._warn_of_a_resumed_owner(owner, slots, compressor, plan)
                 slot = len(slots)
                 slots.append((owner, ordinal))
             else:
@@ -213,6 +215,36 @@ class Pipeline:
         plan = plan.nth(slot)
         self._built.setdefault(plan.fingerprint, plan)
         return plan
+
+    def _warn_of_a_resumed_owner(self, owner: "_Owner", slots: list[tuple["_Owner", int]],
+                                 compressor: Compressor, plan: BucketPlan) -> None:
+        """Warns when an optimizer new to these ops, which has taken steps (restored
+        from a checkpoint, most likely), takes a new slot, so its compression state
+        starts from initial values: while the optimizer that holds these tensors'
+        state lives on (what a restore wrote stays with it), or when no state was
+        restored for them at all."""
+        optimizer = owner.optimizer()
+        steps = owner.steps()
+        if not steps or not any(compressor.state_spec(b.layout) for b in plan.buckets):
+            return
+        if any(o.optimizer() is optimizer for ss in self._slots.values() for o, _ in ss):
+            return       # another head of an optimizer these ops know: state of its own
+        if any(not o.dead() for o, _ in slots):
+            logging.warning(
+                "tf_gradsync: an optimizer that has taken %d steps (restored from a "
+                "checkpoint?) reduces tensors whose compression state belongs to another "
+                "optimizer, still alive: this one's state (error feedback, momentum) starts "
+                "from initial values, and what a restore wrote stays with the other. To "
+                "resume, restore into the model and optimizer that trained, or drop those "
+                "(del, gc.collect()) before the first step.", steps)
+        elif not any(k.startswith(_state_prefix(compressor, plan.nth(len(slots))))
+                     for k in self.state.waiting()):
+            logging.warning(
+                "tf_gradsync: an optimizer that has taken %d steps reduces through these "
+                "ops for the first time and no compression state was restored for its "
+                "tensors: error feedback, momentum and warm-ups start over. Checkpoint the "
+                "ops with the model (tf.train.Checkpoint(..., gradsync=ops), or "
+                "gs.track_state(model, ops)) to resume them.", steps)
 
     @staticmethod
     def _dead_slot(slots: list[tuple["_Owner", int]]) -> int | None:
@@ -373,14 +405,21 @@ class _Owner:
         return self._ref is not None and (self._ref() is None
                                           or any(r() is None for r in self._vars))
 
+    def optimizer(self):
+        """The optimizer, or None (no one, or dead)."""
+        return None if self._ref is None else self._ref()
+
+    def steps(self) -> int | None:
+        """The steps the optimizer has taken (None: no optimizer or no iteration count)."""
+        iterations = getattr(self.optimizer(), "iterations", None)
+        if iterations is None:
+            return None
+        with tf.init_scope():
+            return int(iterations.numpy())
+
     def fresh(self) -> bool:
         """Whether the optimizer has taken no step yet (it has no iteration count: no)."""
-        optimizer = None if self._ref is None else self._ref()
-        iterations = getattr(optimizer, "iterations", None)
-        if iterations is None:
-            return False
-        with tf.init_scope():
-            return int(iterations.numpy()) == 0
+        return self.steps() == 0
 
     def __eq__(self, other) -> bool:
         return (isinstance(other, _Owner) and self._id == other._id

@@ -48,6 +48,9 @@ def load_run(path: str, name: str | None = None) -> dict:
             if n == len(lines) and not line.endswith("\n"):
                 break
             raise ValueError(f"{path}:{n}: not a JSON line ({e})") from None
+        if not isinstance(rec, dict):
+            raise ValueError(f"{path}:{n}: not a record (a JSON object), got "
+                             f"{type(rec).__name__}")
         (epochs if rec.get("kind") == "epoch" else batches).append(rec)
     if not batches:
         raise ValueError(f"{path}: no batch records")
@@ -177,6 +180,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     folder = os.path.dirname(os.path.abspath(args.out))
     if not os.path.isdir(folder):
         parser.error(f"--out={args.out}: folder {folder!r} does not exist")
+    if os.path.isdir(args.out):
+        parser.error(f"--out={args.out} is a folder; name a file (e.g. "
+                     f"{os.path.join(args.out, 'report.png')})")
+    if not os.path.splitext(args.out)[1]:
+        args.out += ".png"       # what matplotlib writes; said as written
     try:
         runs = [load_run(p) for p in args.runs]
     except (OSError, ValueError) as e:

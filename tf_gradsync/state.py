@@ -113,7 +113,7 @@ class SyncState(tf.Module):
         or from a Keras weight file loaded later) are state of another version or
         configuration of the ops: they restore nothing, and a warning names them; those
         of Keras weight files are kept and saved again."""
-        waiting = self._waiting()
+        waiting = self.waiting()
         if prefix not in self._pending.sealed:
             self._pending.sealed.add(prefix)
             _warn_unclaimed([k for k in waiting if k.startswith(prefix)])
@@ -132,7 +132,7 @@ class SyncState(tf.Module):
                 "initial values.", len(others), ", ".join(others[:4]),
                 ", ..." if len(others) > 4 else "")
 
-    def _waiting(self) -> set[str]:
+    def waiting(self) -> set[str]:
         """Keys of loaded values no variable has taken yet: loaded from Keras 3 weight
         files (`assign`), or restored by `tf.train.Checkpoint`, which holds them until a
         variable of their name joins the tracked dict."""
