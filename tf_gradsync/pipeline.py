@@ -337,7 +337,11 @@ class Pipeline:
         # take a token of their own so that it need not wait for other buckets' exchanges.
         apart = (algorithms.collective.ordered_apart((plan.fingerprint, bucket.id))
                  if compressor.num_modes > 1 else contextlib.nullcontext())
-        with tf.name_scope("rounds"), apart:
+        # Its collectives' keys follow from what the exchange is, not from the order in
+        # which this process traced it (the settings fix the payloads' shapes).
+        keyed = algorithms.collective.keyed((plan.fingerprint, bucket.id, repr(compressor),
+                                             self.algorithm, self.exchange))
+        with tf.name_scope("rounds"), apart, keyed:
             return driver.run(compressor, xs, ctxs, exchange, mean=reduce_op == MEAN,
                               devices=src,
                               measure_error=self.measure_error and compressor is self.compressor)

@@ -27,8 +27,12 @@ GROUP_KEY_BASE = 0x6A5000
 _INSTANCE_KEY_BASE = 0x6A5000
 _lock = threading.Lock()
 _instance_keys = itertools.count(_INSTANCE_KEY_BASE)
+# Keys derived from what a collective is (`keyed`) lie above the counted ones.
+_DERIVED_BASE, _DERIVED_SPAN = 1 << 30, (1 << 31) - 1 - (1 << 30)
+_derived: dict[int, Hashable] = {}
 _tokens: dict[Hashable, tf.Variable] = {}
 _apart = threading.local()   # the key of the innermost `ordered_apart`
+_keyed = threading.local()   # [identity, collectives built] of the innermost `keyed`
 
 
 def group_key(role: Hashable) -> int:
@@ -83,15 +87,46 @@ def ordered_apart(key: Hashable):
         _apart.key = previous
 
 
-def next_instance_key() -> int:
-    """A fresh key shared by the ops of one collective on all devices and workers.
+@contextlib.contextmanager
+def keyed(identity: Hashable):
+    """Collectives built inside take keys derived from `identity` (its `repr`, the same
+    in every process) and their order among those built inside, not from a count of
+    every collective this process has built.
 
-    Never reused in a process: the runtime caches a collective's shape by its key, so a
-    key reused by another function with other shapes would wait forever. Workers agree
+    A bucket's exchange is one such identity (its plan, bucket, compressor and exchange
+    settings): a worker that traces its step functions in another order than its peers,
+    or retraces one alone (an input of another shape on that worker), builds the same
+    keys for the same exchange, and the exchanges meet. A retraced exchange reuses its
+    keys with the same shapes, which the runtime's cache of shapes by key allows.
+    """
+    previous = getattr(_keyed, "frame", None)
+    _keyed.frame = [identity, 0]
+    try:
+        yield
+    finally:
+        _keyed.frame = previous
+
+
+def next_instance_key() -> int:
+    """A key shared by the ops of one collective on all devices and workers.
+
+    Inside `keyed`, derived from its identity; elsewhere fresh and never reused in a
+    process: the runtime caches a collective's shape by its key, so a key reused by
+    another function with other shapes would wait forever. Workers agree on fresh keys
     because they run the same program and so build their collectives in the same order.
     """
+    frame = getattr(_keyed, "frame", None)
+    if frame is None:
+        with _lock:
+            return next(_instance_keys)
+    identity = (frame[0], frame[1])
+    frame[1] += 1
+    key = _DERIVED_BASE + zlib.crc32(repr(identity).encode()) % _DERIVED_SPAN
     with _lock:
-        return next(_instance_keys)
+        # Two identities of one hash (rare: 30 bits): the later takes the next free key.
+        while _derived.setdefault(key, identity) != identity:
+            key = _DERIVED_BASE + (key - _DERIVED_BASE + 1) % _DERIVED_SPAN
+    return key
 
 
 class Collective(Exchange):
