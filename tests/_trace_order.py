@@ -3,7 +3,8 @@ traced in opposite orders on the two workers, then a third one retraced on worke
 alone (a Python argument of its own), all reduced through the compressed exchanges.
 Writes every result to <out>/trace_<rank>.json.
 
-    python -m tf_gradsync.launch --num_workers=2 -- tests/_trace_order.py --out=DIR --compression=NAME
+    python -m tf_gradsync.launch --num_workers=2 -- tests/_trace_order.py --out=DIR \
+        --compression=NAME
 """
 
 import argparse
@@ -19,8 +20,9 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--compression", required=True)
+    parser.add_argument("--exchange", default="auto")
     args = parser.parse_args()
-    ops = gs.CompressedAllReduce(args.compression, timeout_seconds=60)
+    ops = gs.CompressedAllReduce(args.compression, exchange=args.exchange, timeout_seconds=60)
     strategy = gs.MultiWorkerMirroredStrategy(cross_device_ops=ops)
     rank = strategy.worker_index
 

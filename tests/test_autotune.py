@@ -492,7 +492,6 @@ def test_every_worker_reaches_the_same_decision(tmp_path):
                                   np.asarray(ranks[1]["weights"][0]))
 
 
-
 def test_a_models_embedding_tables_are_left_out_of_the_priced_weights():
     """An Embedding's gradient is the rows it looked up, gathered alike under every
     candidate: autotune prices the model's other weights, not the table as a dense

@@ -3,6 +3,7 @@ numpy, every byte that crosses a device counted, clear errors for what an exchan
 does not move."""
 
 import json
+import logging
 import os
 
 import numpy as np
@@ -12,7 +13,7 @@ import tensorflow as tf
 import tf_gradsync as gs
 from _multiworker import run_launcher  # tests/_multiworker.py
 from tf_gradsync import algorithms
-from tf_gradsync.algorithms import Group, Wire
+from tf_gradsync.algorithms import Group, Wire, collective
 from tf_gradsync.algorithms._common import words_of
 from tf_gradsync.compression import GATHER, SCATTER, SUM
 
@@ -211,3 +212,38 @@ def test_cpu_collectives_with_tokens_of_their_own_complete_in_either_launch_orde
     for rank in range(2):
         got = json.loads((tmp_path / f"order_{rank}.json").read_text())
         assert got == {"a": [3.0, 20.0], "b": [3.0, 40.0]}
+
+
+def test_keys_derived_from_an_exchange_do_not_depend_on_the_order_built():
+    """Inside `keyed`, a collective's key follows from the identity, its place in it,
+    its group and shapes: built in either order, two exchanges get the same keys; a
+    frame restores the one it nests in; outside, keys are counted, never reused."""
+    def keys(identity, n, group=7):
+        with collective.keyed(identity):
+            return [collective.next_instance_key(group, ((4,), "float32")) for _ in range(n)]
+    a, b = keys("exchange a", 3), keys("exchange b", 2)
+    assert keys("exchange b", 2) == b and keys("exchange a", 3) == a
+    assert len(set(a + b)) == 5 and all(k >= 1 << 30 for k in a + b)
+    with collective.keyed("outer"):
+        first = collective.next_instance_key(7)
+        assert keys("inner", 1) == keys("inner", 1)
+        second = collective.next_instance_key(7)
+    with collective.keyed("outer"):
+        assert [collective.next_instance_key(7), collective.next_instance_key(7)] == [first,
+                                                                                      second]
+    assert keys("exchange a", 1, group=8) != a[:1]          # another group, another key
+    counted = [collective.next_instance_key() for _ in range(2)]
+    assert counted[1] == counted[0] + 1 and counted[0] < 1 << 30
+
+
+def test_a_collision_of_derived_keys_takes_the_next_free_one_and_says_so(monkeypatch,
+                                                                          caplog):
+    monkeypatch.setattr(collective.zlib, "crc32", lambda data: 12345)
+    monkeypatch.setattr(collective, "_derived", {})
+    with collective.keyed("x"):
+        x = collective.next_instance_key(3)
+    with caplog.at_level(logging.WARNING), collective.keyed("y"):
+        y = collective.next_instance_key(3)
+    assert y == x + 1 and "hash to one key" in caplog.text
+    with collective.keyed("x"):
+        assert collective.next_instance_key(3) == x           # its own key again

@@ -255,19 +255,21 @@ def test_workers_of_different_ops_stop_at_once_naming_their_ops(tmp_path):
     assert "every worker must build the same compressor" in out
 
 
-@pytest.mark.parametrize("compression,rtol", [("fp16", 0), ("int8", 0.02)])
+@pytest.mark.parametrize("compression,exchange,rtol", [
+    ("fp16", "auto", 0), ("int8", "auto", 0.02), ("int8", "two_phase", 0.05),
+    ("powersgd", "auto", 0)])     # PowerSGD's modes: its dense warm-up, then its rounds
 def test_workers_tracing_in_other_orders_or_retracing_alone_still_meet(tmp_path, compression,
-                                                                       rtol):
+                                                                       exchange, rtol):
     """Exchange keys follow from what an exchange is, not from the order a worker traced
     it in: two functions traced in opposite orders, and one retraced by one worker alone,
     used to wait for each other until the timeout."""
     import _trace_order  # tests/_trace_order.py
     proc, _ = run_launcher(_trace_order.__file__, 2, f"--out={tmp_path}",
-                           f"--compression={compression}", timeout=300)
+                           f"--compression={compression}", f"--exchange={exchange}",
+                           timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     got = [json.loads((tmp_path / f"trace_{r}.json").read_text()) for r in range(2)]
     assert got[0] == got[1]
     for name, shape, factor in [("f", [64], 3), ("g", [16, 3], 3), ("h", [40], 5)]:
         want = (np.arange(np.prod(shape)).reshape(shape) + 1.0) * factor
         np.testing.assert_allclose(got[0][name], want, rtol=rtol, atol=rtol * want.max())
-

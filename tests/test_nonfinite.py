@@ -140,3 +140,17 @@ def test_stats_error_of_a_nonfinite_step_is_nan_not_zero(name, bad, devices):
         errors.append(ops.stats()["comm_error"])
     assert 0 < errors[0] < 1 and np.isnan(errors[1]) and errors[2] == pytest.approx(
         errors[0], rel=0.5)
+
+
+def test_stats_error_of_a_finite_gradient_the_wire_overflows_is_inf(devices):
+    """fp16 without its prescale casts 70000 past 65504: the gradient was finite, the
+    compression's error is not, and shows as Inf (not NaN, which monitors leave out)."""
+    ops = gs.CompressedAllReduce(gs.compression.get("fp16", prescale=False))
+    strategy = tf.distribute.MirroredStrategy(devices, cross_device_ops=ops)
+
+    @tf.function
+    def step():
+        return strategy.run(lambda: tf.distribute.get_replica_context().all_reduce(
+            "SUM", tf.fill([64], 70000.0)))
+    step()
+    assert ops.stats()["comm_error"] == np.inf

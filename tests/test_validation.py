@@ -183,12 +183,16 @@ def test_numpy_numbers_are_numbers():
         C.get("topk", ratio=np.True_)
 
 
-
 def test_a_compressors_setting_given_to_the_ops_says_where_it_goes():
-    with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\) \['ratio'\]; a "
-                       r"compressor's own settings go to the compressor: CompressedAllReduce\("
-                       r"tf_gradsync.compression.get\('topk', ratio=...\)\)"):
+    with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\) \['ratio'\]; its "
+                       r"arguments: bucket_bytes, .*\. ratio set the compressor: "
+                       r"CompressedAllReduce\(tf_gradsync.compression.get\('topk', ratio=...\)\)"):
         gs.CompressedAllReduce("topk", ratio=0.1)
+    with pytest.raises(TypeError) as err:         # a typo of the ops' own: no such hint
+        gs.CompressedAllReduce(C.get("sign"), bucket_byts=1)
+    assert "['bucket_byts']; its arguments: bucket_bytes" in str(err.value)
+    assert "set the compressor" not in str(err.value)
+
 
 @pytest.mark.parametrize("fn,needles", CASES)
 def test_bad_value_is_named_with_what_is_allowed(fn, needles):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Sequence
 
 import tensorflow as tf
@@ -87,13 +88,8 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
                  timeout_seconds: float | None = None, warmup_steps: int = 0,
                  measure_error: bool = True, exchange: str = "auto", guard: bool = False,
                  jit_compile: bool = True, name: str | None = None, **compressor_settings):
-        if compressor_settings:    # CompressedAllReduce("topk", ratio=0.1), a natural slip
-            keys = ", ".join(f"{k}=..." for k in compressor_settings)
-            raise TypeError(
-                f"CompressedAllReduce got unexpected keyword argument(s) "
-                f"{sorted(compressor_settings)}; a compressor's own settings go to the "
-                f"compressor: CompressedAllReduce(tf_gradsync.compression.get({compression!r}, "
-                f"{keys}))")
+        if compressor_settings:
+            raise TypeError(_unexpected(compression, sorted(compressor_settings)))
         if name is not None and not isinstance(name, str):
             raise ValueError(f"name must be a string or None, got {name!r}")
         tf.distribute.CrossDeviceOps.__init__(self)
@@ -364,3 +360,24 @@ def _cast_slices(slices, dtype: tf.DType) -> list:
         with tf.device(s.values.device):
             out.append(tf.IndexedSlices(tf.cast(s.values, dtype), s.indices, s.dense_shape))
     return out
+
+
+def _unexpected(compression, keys: list[str]) -> str:
+    """The error for keyword arguments the constructor does not take, pointing a
+    compressor's own settings (`CompressedAllReduce("topk", ratio=0.1)`, a natural slip)
+    to the compressor."""
+    ops_args = [p for p in inspect.signature(CompressedAllReduce.__init__).parameters
+                if p not in ("self", "compressor_settings")]
+    message = (f"CompressedAllReduce got unexpected keyword argument(s) {keys}; its "
+               f"arguments: {', '.join(ops_args)}")
+    try:
+        compressor = get(compression)
+    except (ValueError, TypeError):     # an unknown compressor: its own error follows
+        return message
+    own = [k for k in keys if k in inspect.signature(type(compressor).__init__).parameters]
+    if own:
+        name = compressor.name
+        message += (f". {', '.join(own)} set the compressor: CompressedAllReduce("
+                    f"tf_gradsync.compression.get({name!r}, "
+                    f"{', '.join(f'{k}=...' for k in own)}))")
+    return message

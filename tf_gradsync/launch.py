@@ -12,7 +12,8 @@ Ctrl-C). TensorFlow installs its own SIGTERM handler, so a worker may ignore the
 after `--grace_seconds` the whole process group gets SIGKILL, and no process is left
 behind. On Linux a worker also gets SIGKILL when the launcher dies without stopping it
 (killed with SIGKILL itself, or out of memory); processes the worker started are then
-left to it.
+left to it. (`Job` asks for that only when started from the main thread, and a prefix
+that forks, or runs a setuid program, does not pass it on.)
 
 `--restarts=K` re-runs the whole job after a failure, up to K times: every worker is
 stopped, then all start again (on fresh free ports unless `--port` is given) with

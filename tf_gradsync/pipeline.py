@@ -219,26 +219,33 @@ class Pipeline:
     def _warn_of_a_resumed_owner(self, owner: "_Owner", slots: list[tuple["_Owner", int]],
                                  compressor: Compressor, plan: BucketPlan) -> None:
         """Warns when an optimizer new to these ops, which has taken steps (restored
-        from a checkpoint, most likely), takes a new slot, so its compression state
-        starts from initial values: while the optimizer that holds these tensors'
-        state lives on (what a restore wrote stays with it), or when no state was
-        restored for them at all."""
-        optimizer = owner.optimizer()
+        from a checkpoint, most likely), takes a new slot for which no restored state
+        waits, so its compression state starts from initial values: while another
+        optimizer holds these tensors' state (what a restore wrote stays with it), or
+        when no state was restored for them at all."""
         steps = owner.steps()
-        if not steps or not any(compressor.state_spec(b.layout) for b in plan.buckets):
+        # State: the compressor's, or in two phases (gathered payloads only) the owners'.
+        if not steps or (compressor.summable
+                         and not any(compressor.state_spec(b.layout) for b in plan.buckets)):
             return
+        optimizer = owner.optimizer()
         if any(o.optimizer() is optimizer for ss in self._slots.values() for o, _ in ss):
             return       # another head of an optimizer these ops know: state of its own
-        if any(not o.dead() for o, _ in slots):
+        prefix = _state_prefix(compressor, plan.nth(len(slots)))
+        if any(k.startswith(prefix) for k in self.state.waiting()):
+            return       # restored state waits for this slot (models resumed in order)
+        if any(o.mortal for o, _ in slots):
+            drop = ("drop those (del, gc.collect()) before the first step"
+                    if self.num_workers == 1 else "resume in a fresh process (across "
+                    "workers a new optimizer never takes over another's state)")
             logging.warning(
                 "tf_gradsync: an optimizer that has taken %d steps (restored from a "
                 "checkpoint?) reduces tensors whose compression state belongs to another "
-                "optimizer, still alive: this one's state (error feedback, momentum) starts "
-                "from initial values, and what a restore wrote stays with the other. To "
-                "resume, restore into the model and optimizer that trained, or drop those "
-                "(del, gc.collect()) before the first step.", steps)
-        elif not any(k.startswith(_state_prefix(compressor, plan.nth(len(slots))))
-                     for k in self.state.waiting()):
+                "optimizer of this process: this one's state (error feedback, momentum) "
+                "starts from initial values, and what a restore wrote stays with the other. "
+                "To resume, restore into the model and optimizer that trained, or %s.",
+                steps, drop)
+        else:
             logging.warning(
                 "tf_gradsync: an optimizer that has taken %d steps reduces through these "
                 "ops for the first time and no compression state was restored for its "
@@ -338,9 +345,10 @@ class Pipeline:
         apart = (algorithms.collective.ordered_apart((plan.fingerprint, bucket.id))
                  if compressor.num_modes > 1 else contextlib.nullcontext())
         # Its collectives' keys follow from what the exchange is, not from the order in
-        # which this process traced it (the settings fix the payloads' shapes).
+        # which this process traced it (the settings fix the payloads' shapes, and
+        # jit_compile the choice between gathering and two phases).
         keyed = algorithms.collective.keyed((plan.fingerprint, bucket.id, repr(compressor),
-                                             self.algorithm, self.exchange))
+                                             self.algorithm, self.exchange, self.jit_compile))
         with tf.name_scope("rounds"), apart, keyed:
             return driver.run(compressor, xs, ctxs, exchange, mean=reduce_op == MEAN,
                               devices=src,

@@ -359,14 +359,10 @@ def main(argv: Sequence[str]) -> None:
                 importlib.import_module(module)
             except ImportError as e:
                 raise ValueError(f"--imports={module}: {e}") from e
-        specs, lookups = gradients_of(FLAGS.model, FLAGS.params, FLAGS.batch)
         names = FLAGS.compressors or compression.names()
-        from tf_gradsync.bench import ops_from_spec  # pylint: disable=import-outside-toplevel
-        for s in names:        # each named before any other error or measurement
-            try:
-                ops_from_spec(s)
-            except ValueError as e:
-                raise ValueError(f"--compressors={s}: {e}") from None
+        from tf_gradsync.bench import check_specs  # pylint: disable=import-outside-toplevel
+        check_specs(names)     # before a model is built or anything measured
+        specs, lookups = gradients_of(FLAGS.model, FLAGS.params, FLAGS.batch)
         if FLAGS.compute_s is None and not FLAGS.calibrate:
             raise ValueError("give --compute_s (forward + backward seconds per step) or "
                              "--calibrate (measure it here)")

@@ -99,7 +99,8 @@ class Stats:
           ||x - C(x)|| / ||x|| over its buckets and local replicas, x what each replica
           compressed (its gradient, plus its residual under error feedback) and C(x)
           what its payload decodes to (0.0 before any step, and when not measured; NaN
-          when a gradient of that step was not finite).
+          when a gradient of that step was not finite, Inf when a finite one's
+          compression overflowed).
         """
         self._ensure()
         out = {f: int(self._vars[f].numpy()) for f in self._FIELDS}
@@ -107,9 +108,9 @@ class Stats:
         # A counter restored from before the reset (an older checkpoint) counts whole.
         out["steps"] -= base if out["steps"] >= base else 0
         err, norm = (float(self._vars[f].numpy()) for f in self._ERROR_FIELDS)
-        if not (math.isfinite(err) and math.isfinite(norm)):
+        if not math.isfinite(norm):
             out["comm_error"] = math.nan      # a non-finite gradient: no error to tell
-        else:
+        else:      # Inf where a finite gradient's compression overflowed (fp16 past 65504)
             out["comm_error"] = (err / norm) ** 0.5 if norm > 0 else 0.0
         out["compression_ratio"] = (out["bytes_dense"] / out["bytes_sent"]
                                     if out["bytes_sent"] else 1.0)

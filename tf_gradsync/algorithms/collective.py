@@ -16,6 +16,7 @@ import zlib
 from typing import Hashable, Sequence
 
 import tensorflow as tf
+from absl import logging
 
 from tf_gradsync import _tf_compat
 from tf_gradsync.algorithms._common import (DevicePayloads, Exchange, Group, Wire, in_graph,
@@ -29,7 +30,7 @@ _lock = threading.Lock()
 _instance_keys = itertools.count(_INSTANCE_KEY_BASE)
 # Keys derived from what a collective is (`keyed`) lie above the counted ones.
 _DERIVED_BASE, _DERIVED_SPAN = 1 << 30, (1 << 31) - 1 - (1 << 30)
-_derived: dict[int, Hashable] = {}
+_derived: dict[tuple[int, int], Hashable] = {}
 _tokens: dict[Hashable, tf.Variable] = {}
 _apart = threading.local()   # the key of the innermost `ordered_apart`
 _keyed = threading.local()   # [identity, collectives built] of the innermost `keyed`
@@ -89,13 +90,14 @@ def ordered_apart(key: Hashable):
 
 @contextlib.contextmanager
 def keyed(identity: Hashable):
-    """Collectives built inside take keys derived from `identity` (its `repr`, the same
-    in every process) and their order among those built inside, not from a count of
-    every collective this process has built.
+    """Collectives built inside take keys derived from `identity`, their order among
+    those built inside, their group and their payloads' shapes, not from a count of every
+    collective this process has built. `identity`'s `repr` must be the same in every
+    process for the same collectives (a bucket's exchange: its plan, bucket, compressor
+    and settings, as the workers check at the start).
 
-    A bucket's exchange is one such identity (its plan, bucket, compressor and exchange
-    settings): a worker that traces its step functions in another order than its peers,
-    or retraces one alone (an input of another shape on that worker), builds the same
+    A worker that traces its step functions in another order than its peers, or
+    retraces one alone (an input of another shape on that worker), then builds the same
     keys for the same exchange, and the exchanges meet. A retraced exchange reuses its
     keys with the same shapes, which the runtime's cache of shapes by key allows.
     """
@@ -107,26 +109,37 @@ def keyed(identity: Hashable):
         _keyed.frame = previous
 
 
-def next_instance_key() -> int:
+def next_instance_key(group: int = 0, shapes: Hashable = ()) -> int:
     """A key shared by the ops of one collective on all devices and workers.
 
-    Inside `keyed`, derived from its identity; elsewhere fresh and never reused in a
-    process: the runtime caches a collective's shape by its key, so a key reused by
-    another function with other shapes would wait forever. Workers agree on fresh keys
-    because they run the same program and so build their collectives in the same order.
+    Inside `keyed`, derived from its identity, the collective's place in it, its `group`
+    key and its payloads' `shapes`; elsewhere fresh and never reused in a process: the
+    runtime caches a collective's shape by its key, so a key reused by another function
+    with other shapes would wait forever. Workers agree on fresh keys because they run
+    the same program and so build their collectives in the same order.
     """
     frame = getattr(_keyed, "frame", None)
     if frame is None:
         with _lock:
             return next(_instance_keys)
-    identity = (frame[0], frame[1])
+    identity = (frame[0], frame[1], group, shapes)
     frame[1] += 1
     key = _DERIVED_BASE + zlib.crc32(repr(identity).encode()) % _DERIVED_SPAN
     with _lock:
-        # Two identities of one hash (rare: 30 bits): the later takes the next free key.
-        while _derived.setdefault(key, identity) != identity:
-            key = _DERIVED_BASE + (key - _DERIVED_BASE + 1) % _DERIVED_SPAN
+        taken = _derived.setdefault((group, key), identity)
+        if taken != identity:
+            # Two identities of one hash in one group (30 bits: rare). The later takes
+            # the next free key, which a worker that built them in the other order
+            # would not: say so, for the hang it may cause.
+            logging.warning("tf_gradsync: collectives %r and %r hash to one key; the "
+                            "second takes the next free one", taken, identity)
+            while _derived.setdefault((group, key), identity) != identity:
+                key = _DERIVED_BASE + (key - _DERIVED_BASE + 1) % _DERIVED_SPAN
     return key
+
+
+def _shapes(tensors) -> tuple:
+    return tuple((tuple(t.shape.as_list()), t.dtype.name) for t in tensors)
 
 
 class Collective(Exchange):
@@ -166,7 +179,7 @@ def all_reduce(payloads: DevicePayloads, devices: Sequence[str], wire: Wire,
     """
     n = group_size or len(devices)
     gkey = group_key(role or ("local", tuple(devices)))
-    keys = [next_instance_key() for _ in payloads[0]]
+    keys = [next_instance_key(gkey, _shapes([t])) for t in payloads[0]]
 
     def launch(payloads):
         out: list[list[tf.Tensor]] = [[] for _ in devices]
@@ -206,7 +219,7 @@ def all_gather(payloads: DevicePayloads, devices: Sequence[str], wire: Wire,
     if not specs:
         return [[[] for _ in range(n)] for _ in devices]
     packed = len(specs) > 1 or specs[0].dtype not in _NATIVE
-    ikey = next_instance_key()
+    ikey = next_instance_key(gkey, _shapes(specs))
 
     def launch(payloads):
         out = []

@@ -103,7 +103,7 @@ def all_to_all(parts: Sequence[Sequence[tuple]], devices: Sequence[str], members
                     continue
                 # Reserved on every worker, whether or not it takes part, so that all
                 # workers number their collectives alike.
-                ikey = collective.next_instance_key()
+                ikey = collective.next_instance_key(pair_group_key(a, b, group_size))
                 if ia is None and ib is None:
                     continue
                 i, me, peer = (ia, a, b) if ia is not None else (ib, b, a)

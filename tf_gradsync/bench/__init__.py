@@ -22,7 +22,6 @@ def keep_freed_buffers() -> bool:
     return bool(mallopt(m_mmap_max, 0)) and bool(mallopt(m_trim_threshold, 2**31 - 1))
 
 
-
 def ops_from_spec(spec: str, **ops_kwargs):
     """Builds a `CompressedAllReduce` from `name` or `name:key=value:...` (values parsed as
     YAML); the keys `error_feedback`, `warmup_steps`, `exchange`, `guard`, `bucket_bytes` and
@@ -44,6 +43,20 @@ def ops_from_spec(spec: str, **ops_kwargs):
     import tf_gradsync as gs  # pylint: disable=import-outside-toplevel
     name, kwargs, ops = split_spec(spec)
     return gs.CompressedAllReduce(gs.compression.get(name, **kwargs), **{**ops_kwargs, **ops})
+
+
+def check_specs(specs, skip=()) -> None:
+    """Builds the ops of every spec of a `--compressors` list but those in `skip`.
+
+    Raises:
+      ValueError: naming the flag and the spec of the list that is bad.
+    """
+    for spec in specs:
+        if spec not in skip:
+            try:
+                ops_from_spec(spec)
+            except ValueError as e:
+                raise ValueError(f"--compressors={spec}: {e}") from None
 
 
 #: Keys of a spec that go to `CompressedAllReduce` rather than to the compressor.

@@ -27,7 +27,7 @@ import os
 
 from absl import app, flags
 
-from tf_gradsync.bench import figure, ops_from_spec
+from tf_gradsync.bench import check_specs, figure
 # Suite modules define their flags when imported.
 from tf_gradsync.bench import (accuracy, cluster, micro, multiworker, passes,  # noqa: F401
                                single_host, timeline)
@@ -98,12 +98,7 @@ def main(argv):
     # Everything that would fail after minutes of measuring is checked first.
     try:
         check_outputs(json=FLAGS.json, png=FLAGS.png, timeline_png=FLAGS.timeline_png)
-        for spec in FLAGS.compressors or ():
-            if spec not in MODES:
-                try:
-                    ops_from_spec(spec)
-                except ValueError as e:    # which one of the list
-                    raise ValueError(f"--compressors={spec}: {e}") from None
+        check_specs(FLAGS.compressors or (), skip=MODES)
         if hasattr(suite, "check"):
             suite.check()
     except ValueError as e:

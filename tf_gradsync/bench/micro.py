@@ -42,8 +42,8 @@ def measure(name, numel: int, repeats: int = 5, jit_compile: bool = True,
     sec, sent = row["seconds"], row["payload_bytes"]
     dense = numel * 4
     # Labelled as given: rows of one compressor at several settings stay apart.
-    return {"compressor": name if isinstance(name, str) else compressor.name, "numel": numel, "jit_compile": jit_compile,
-            "data_path": data_path, "seconds": sec, "ms": sec * 1e3,
+    return {"compressor": name if isinstance(name, str) else compressor.name, "numel": numel,
+            "jit_compile": jit_compile, "data_path": data_path, "seconds": sec, "ms": sec * 1e3,
             "gb_per_s": dense / sec / 1e9, "payload_bytes": sent, "ratio": dense / max(sent, 1)}
 
 

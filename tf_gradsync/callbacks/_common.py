@@ -126,9 +126,10 @@ def summarise(records: list[dict], total_sent: int) -> dict:
              for r in timed if r["samples_per_sec"] is not None]
     rate_s = sum(t for _, t in rates)
     per_step = [r["step_time_ms"] for r in timed]
-    # Steps without a finite error (a non-finite gradient, nothing reduced) tell nothing
-    # of the compressor's error: averaged, they would hide it (NaN) or halve it (0).
-    measured = [r for r in records if math.isfinite(r["comm_error"])]
+    # Steps without an error (a non-finite gradient, nothing reduced: NaN) tell nothing
+    # of the compressor's: averaged, they would hide it (NaN) or halve it (0). An
+    # overflow of the compression itself (Inf) is its error, and shows.
+    measured = [r for r in records if not math.isnan(r["comm_error"])]
     measured_steps = sum(r["steps"] for r in measured)
     nan = float("nan")
     return {

@@ -28,7 +28,7 @@ class CommunicationMonitor(tf.keras.callbacks.Callback):
       gradient synchronisation, over its buckets and replicas (`ops.stats()`): what
       compression did to the gradients that were sent (0 for `none`); NaN in a batch
       whose gradient was not finite or that reduced nothing, and left out of the
-      epoch's mean.
+      epoch's mean (Inf, a finite gradient's compression overflowing, is not).
     * `step_time_ms`: wall time per step between `on_train_batch_begin` and
       `on_train_batch_end`, divided by the steps the batch covered (more than one with
       `steps_per_execution > 1`). The first batch of training includes tracing and is
@@ -146,8 +146,10 @@ class CommunicationMonitor(tf.keras.callbacks.Callback):
                                   batch - self._batch_begin + 1, self._known_batch_size(logs))
         self._warm = True
         self._records.append(rec)
+        # A NaN (a batch without an error) stays out of the logs: tf_keras' progress bar
+        # averages what it is given and would show NaN for the rest of the epoch.
         logs.update({k: rec[k] for k in _common.BATCH_KEYS
-                     if rec[k] is not None and k in self.log_keys})
+                     if rec[k] is not None and rec[k] == rec[k] and k in self.log_keys})
         self._write("batch", rec, logs)
 
     def on_epoch_end(self, epoch, logs=None):

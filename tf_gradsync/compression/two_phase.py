@@ -171,8 +171,8 @@ def rounds(compressor: Compressor, x: tf.Tensor, ctx: Context) -> Rounds:
             payload, m = reduced, meta
         else:
             lo, hi = chunks.bounds(j)
-            payload, m = codec.compress(tf.zeros([hi - lo], x.dtype),
-                                        _server_context(ctx, j, codec))
+            payload, m = xla.checked(codec, codec.compress(tf.zeros([hi - lo], x.dtype),
+                                                           _server_context(ctx, j, codec)))
         likes.append(_specs(payload))
         server_metas.append(m)
     gathered = yield Message(reduced, GATHER, like=tuple(likes))
