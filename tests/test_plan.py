@@ -298,3 +298,12 @@ def test_bad_flags_say_what_is_wrong(args, message):
     with pytest.raises(SystemExit) as e:
         plan.main(["plan", *args])
     assert message in str(e.value)
+
+
+def test_a_damaged_keras_file_is_named_as_such(tmp_path):
+    """Keras says "File not found" of a .keras file that is there but no archive."""
+    bad = tmp_path / "bad.keras"
+    bad.write_bytes(b"not a zip archive")
+    with pytest.raises(SystemExit) as e:
+        plan.main(["plan", f"--model={bad}", "--compute_s=1"])
+    assert f"--model={bad}: not a Keras archive" in str(e.value)

@@ -24,6 +24,7 @@ import json
 import math
 import os
 import sys
+import zipfile
 from typing import Sequence
 
 from absl import flags
@@ -175,6 +176,11 @@ def load_model(name: str):
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
     keras = tf.keras
     if os.path.exists(name):
+        if name.lower().endswith(".keras") and not zipfile.is_zipfile(name):
+            # Keras would say "File not found" of a file that is there.
+            raise ValueError(f"--model={name}: not a Keras archive (model.save writes a "
+                             ".keras file as a zip archive); the file is damaged or of "
+                             "another kind")
         try:
             return keras.models.load_model(name, compile=False)
         except Exception as e:    # Keras raises OSError, TypeError, ValueError, ... alike
