@@ -273,3 +273,28 @@ def test_workers_tracing_in_other_orders_or_retracing_alone_still_meet(tmp_path,
     for name, shape, factor in [("f", [64], 3), ("g", [16, 3], 3), ("h", [40], 5)]:
         want = (np.arange(np.prod(shape)).reshape(shape) + 1.0) * factor
         np.testing.assert_allclose(got[0][name], want, rtol=rtol, atol=rtol * want.max())
+
+
+@pytest.mark.parametrize("name", ["none", "fp16", "sign"])
+def test_embedding_gradients_across_workers_are_counted(tmp_path, name):
+    """TensorFlow's collectives gather embedding gradients across workers; their bytes
+    (values in 16 bits under fp16) count in `stats()` as in one process: a step sends
+    what the planner prices for two workers."""
+    import _embedding_worker  # tests/_embedding_worker.py
+    from tf_gradsync import plan
+    proc, _ = run_launcher(_embedding_worker.__file__, 2, f"--out={tmp_path}",
+                           f"--compression={name}", timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    path = str(tmp_path / "rec.keras")
+    _embedding_worker.build().save(path)
+    specs, lookups = plan.gradients_of(path, None, batch=8)
+    row = next(r for r in plan.plan(specs, [name], [2], ["1gbit"], 0.01, lookups=lookups)
+               if r["compressor"] == name)
+    # Across workers a gathered payload of several tensors (sign's bits and scales)
+    # travels packed in int32 words, whose padding the planner does not price.
+    padding = 0 if name in ("none", "fp16") else 4 * len(specs)
+    for rank in range(2):
+        stats = json.loads((tmp_path / f"embedding_{rank}.json").read_text())
+        assert stats["steps"] == 1 and stats["bytes_sent"] == stats["last_bytes_sent"]
+        assert 0 <= stats["last_bytes_sent"] - row["bytes_per_worker"] < padding + 1
+

@@ -263,12 +263,38 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
                         for i in rest]
             exact = self._exact_ops.batch_reduce_implementation(
                 reduce_op, [(v, pairs[i][1]) for (v, _), i in zip(narrowed, rest)], options)
+            if compress:
+                self._record_gathered_slices([v for v, _ in narrowed],
+                                             [pairs[i][0] for i in rest], part_of_step=bool(ours))
             for i, r, (_, dtype) in zip(rest, exact, narrowed):
                 if dtype is not None:      # back in the gradient's dtype
                     parts = [r] if isinstance(r, tf.IndexedSlices) else r.values
                     r = _tf_compat.regroup_mirrored(_cast_slices(parts, dtype))
                 results[i] = r
         return results
+
+    def _record_gathered_slices(self, sent_values, plain_values, part_of_step: bool) -> None:
+        """Counts the embedding gradients (IndexedSlices) that TensorFlow's collectives
+        gather across workers, from the tensors handed to them: each replica's indices
+        and values, in the dtype they travel, reach every other replica, as the
+        compressed gathers count theirs; the reference is the same in the gradients'
+        dtype. A step of its own unless `part_of_step` (the gradients bucketed in this
+        call counted it)."""
+        sent, plain, local = [], [], 1
+        for s_value, p_value in zip(sent_values, plain_values):
+            parts = _tf_compat.to_per_replica(s_value).values
+            if not isinstance(parts[0], tf.IndexedSlices):
+                continue
+            local = len(parts)
+            sent += [_nbytes(t) for s in parts for t in (s.values, s.indices)]
+            plain += [_nbytes(t) for s in _tf_compat.to_per_replica(p_value).values
+                      for t in (s.values, s.indices)]
+        if not sent:
+            return
+        others = local * self._pipeline.num_workers - 1
+        self._pipeline.stats.record(tf.add_n(sent) * others // local,
+                                    tf.add_n(plain) * others // local,
+                                    count_step=not part_of_step, part_of_step=part_of_step)
 
     def _narrow_sparse(self, value) -> tuple:
         """IndexedSlices values in the compressor's 16-bit dtype (fp16, bf16) before
@@ -360,6 +386,11 @@ def _cast_slices(slices, dtype: tf.DType) -> list:
         with tf.device(s.values.device):
             out.append(tf.IndexedSlices(tf.cast(s.values, dtype), s.indices, s.dense_shape))
     return out
+
+
+def _nbytes(t: tf.Tensor) -> tf.Tensor:
+    """Bytes of `t` as it runs (an int64 scalar): embedding gradients' lengths vary."""
+    return tf.size(t, out_type=tf.int64) * t.dtype.size
 
 
 def _unexpected(compression, keys: list[str]) -> str:

@@ -47,7 +47,7 @@ class Stats:
         return self._vars["steps"].read_value()
 
     def record(self, sent: tf.Tensor, dense: tf.Tensor, count_step: bool,
-               errors=()) -> None:
+               errors=(), part_of_step: bool = False) -> None:
         """Adds one reduction's per-replica bytes (int64 scalars).
 
         Args:
@@ -56,11 +56,16 @@ class Stats:
           count_step: this reduction synchronised gradients (a step).
           errors: `(error_sq, norm_sq)` float64 scalars of the compressed buckets
             (||x - C(x)||^2 and ||x||^2 summed over local replicas).
+          part_of_step: these bytes belong to the step recorded just before (added to
+            its `last_bytes_*` too).
         """
         self._ensure()
         v = self._vars
         v["bytes_sent"].assign_add(sent)
         v["bytes_dense"].assign_add(dense)
+        if part_of_step:
+            v["last_bytes_sent"].assign_add(sent)
+            v["last_bytes_dense"].assign_add(dense)
         if count_step:
             v["steps"].assign_add(1)
             v["last_bytes_sent"].assign(sent)
