@@ -125,6 +125,27 @@ def test_save_weights_carries_state(data, devices, tmp_path):
     assert _state_values(ops2)["stats_steps"] == int(np.ceil(len(x) / BATCH))
 
 
+
+def test_a_keras_file_loaded_brings_its_state_back_through_load_weights(data, devices,
+                                                                        tmp_path):
+    """`load_model` reads only what the rebuilt model has; tracked, then loaded again with
+    `load_weights` from the same file, the model resumes as the saved one continues."""
+    x, y = data
+    ops, strategy = _strategy("topk", devices)
+    model = _model(strategy, ops)
+    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    path = str(tmp_path / "m.keras")
+    model.save(path)
+
+    ops2, strategy2 = _strategy("topk", devices)
+    with strategy2.scope():
+        loaded = tf.keras.models.load_model(path)
+    gs.track_state(loaded, ops2)
+    loaded.load_weights(path)
+    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    loaded.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    _assert_same(model, ops, loaded, ops2)
+
 def test_an_optimizer_resuming_without_its_compression_state_is_warned_of(devices, tmp_path,
                                                                           caplog):
     """A checkpoint restored into new objects while those that trained live on (a

@@ -920,6 +920,21 @@ def test_a_loss_scale_wrapper_is_seen_through():
     assert gs.CompressedAllReduce("int8").adapt_optimizer(sgdm) is sgdm
 
 
+def test_adapt_optimizer_keeps_the_weight_decay_per_step():
+    """Keras' decoupled weight decay steps with the rate (w -= w * wd * lr): scaled with
+    the rate alone it decayed 4.6x (AdamW under top-k) or 9.5x (SGD with momentum)
+    faster than uncompressed training."""
+    ops = gs.CompressedAllReduce("topk")
+    for opt in (tf.keras.optimizers.AdamW(1e-3, weight_decay=0.1),
+                tf.keras.optimizers.SGD(0.05, momentum=0.9, weight_decay=0.01)):
+        before, after = opt.get_config(), ops.adapt_optimizer(opt).get_config()
+        assert after["learning_rate"] > before["learning_rate"]
+        assert after["learning_rate"] * after["weight_decay"] == pytest.approx(
+            before["learning_rate"] * before["weight_decay"])
+    assert ops.adapt_optimizer(tf.keras.optimizers.Adam(1e-3)).get_config()["weight_decay"] \
+        is None
+
+
 def test_adapt_optimizer_names_a_subclass_its_config_cannot_rebuild():
     """A subclass whose constructor takes an argument its `get_config()` leaves out
     cannot be rebuilt adapted: a ValueError says so and what to do, not from_config's

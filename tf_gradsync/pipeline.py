@@ -251,7 +251,9 @@ class Pipeline:
                 "ops for the first time and no compression state was restored for its "
                 "tensors: error feedback, momentum and warm-ups start over. Checkpoint the "
                 "ops with the model (tf.train.Checkpoint(..., gradsync=ops), or "
-                "gs.track_state(model, ops)) to resume them.", steps)
+                "gs.track_state(model, ops)) to resume them; a Keras 3 model from "
+                "load_model gets its file's state with gs.track_state(model, ops) and then "
+                "model.load_weights(path).", steps)
 
     @staticmethod
     def _dead_slot(slots: list[tuple["_Owner", int]]) -> int | None:

@@ -691,6 +691,11 @@ class Compressor(abc.ABC):
             factor /= 1 - momentum
             if config.get("nesterov"):
                 changes["nesterov"] = False
+        # Keras' weight decay is decoupled and steps with the rate (w -= w * wd * lr): a
+        # rate scaled alone would scale the decay with it.
+        weight_decay = config.get("weight_decay")
+        if factor != 1 and _positive(weight_decay):
+            changes["weight_decay"] = weight_decay / factor
         return factor, changes
 
     def optimizer_unseen(self) -> None:
@@ -731,7 +736,9 @@ class Compressor(abc.ABC):
             warnings.warn(OptimizerAdvice(
                 f"{self!r} {why}. With {type(applying_optimizer(optimizer)).__name__} it "
                 f"trains best at {what} "
-                "(CompressedAllReduce.adapt_optimizer(optimizer) rebuilds it so)"),
+                "(CompressedAllReduce.adapt_optimizer(optimizer) rebuilds it so; an optimizer "
+                "adapted before and loaded from a file is no longer known as adapted: its "
+                "rate is already scaled, and adapting it again would scale it twice)"),
                 stacklevel=2)
 
     def check_input(self, x: tf.Tensor) -> None:
