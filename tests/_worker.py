@@ -72,6 +72,9 @@ def main() -> None:
         decision = {k: v for k, v in vars(ops.decision).items() if k != "link"}
         link = ops.decision.link
         decision["link"] = [link.latency_s, link.bytes_per_s, link.round_s]
+    elif a.compression == "stock":      # only to meet a worker of other ops at the start
+        gs.MultiWorkerMirroredStrategy()
+        raise SystemExit("a worker without ops met workers that agree with it")
     else:
         ops = gs.CompressedAllReduce(gs.compression.get(a.compression, **json.loads(a.options)),
                                      exchange=a.exchange)

@@ -255,6 +255,18 @@ def test_workers_of_different_ops_stop_at_once_naming_their_ops(tmp_path):
     assert "every worker must build the same compressor" in out
 
 
+def test_a_worker_without_ops_beside_one_with_them_is_refused_at_the_start(tmp_path):
+    """It failed at the first step with TensorFlow's "Collective instance ... expected
+    type", and its peer later on a heartbeat."""
+    import _worker  # tests/_worker.py
+    proc, _ = run_launcher(_worker.__file__, 2, f"--out={tmp_path}", "--compression=topk",
+                           "--rank1_compression=stock", "--steps=3", timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out[-3000:]
+    assert "worker 1 has no CompressedAllReduce (TensorFlow's own collectives)" in out
+    assert "worker 0 has CompressedAllReduce(ErrorFeedback(inner=TopK(ratio=0.01))" in out
+
+
 @pytest.mark.parametrize("compression,exchange,rtol", [
     ("fp16", "auto", 0), ("int8", "auto", 0.02), ("int8", "two_phase", 0.05),
     ("powersgd", "auto", 0)])     # PowerSGD's modes: its dense warm-up, then its rounds

@@ -227,6 +227,8 @@ class Job:
         self.procs: list[subprocess.Popen] = []
         #: The rank of the worker whose failure ended the job (`wait`), if one did.
         self.failed_rank: int | None = None
+        #: Then, the other workers that had not failed: "still running" or "had exited 0".
+        self.others_at_failure: dict[int, str] = {}
         env = dict(env or {})
         if THREADS_ENV not in env:
             env.update(thread_env(len(configs), threads))
@@ -267,11 +269,20 @@ class Job:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             if deadline is not None and time.monotonic() > deadline:
+                running = [r for r, p in enumerate(self.procs) if p.poll() is None]
+                print(f"[launch] worker(s) {_ranks(running)} still running after {timeout:g} s; "
+                      f"stopping them", file=sys.stderr, flush=True)
                 self.stop()
-                raise TimeoutError(f"workers still running after {timeout:g} s; stopped them")
+                raise TimeoutError(f"worker(s) {_ranks(running)} still running after "
+                                   f"{timeout:g} s; stopped them")
             codes = [p.poll() for p in self.procs]
             failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
             if failed:
+                # The first to fail may be a victim: a peer stuck (still running) or gone
+                # early (exited 0) leaves the others' collectives to time out.
+                self.others_at_failure = {
+                    r: "still running" if c is None else "had exited 0"
+                    for r, c in enumerate(codes) if c in (None, 0)}
                 self.stop()
                 self.failed_rank, code = failed[0], codes[failed[0]]
                 return code if code > 0 else 128 - code
@@ -311,6 +322,10 @@ class Job:
     def _drain(self) -> None:
         for t in self._threads:
             t.join(timeout=5)
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return ", ".join(map(str, ranks)) or "none"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -364,7 +379,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             if received or code == 0:
                 break
             left = args.restarts - attempt
-            who = "" if job.failed_rank is None else f" (worker {job.failed_rank})"
+            who = "" if job.failed_rank is None else f" (worker {job.failed_rank}" + "".join(
+                f"; worker {r} {state}" for r, state in job.others_at_failure.items()) + ")"
             print(f"[launch] attempt {attempt} failed with exit code {code}{who}; "
                   + (f"restarting ({left} restart(s) left)" if left else "no restarts left"),
                   file=sys.stderr, flush=True)

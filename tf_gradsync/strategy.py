@@ -81,6 +81,10 @@ class MultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
         self._exact_ops = _tf_compat.cross_device_ops_of(self)
         if cross_device_ops is not None:
             self.use_cross_device_ops(cross_device_ops)
+        elif self.num_workers > 1:
+            # A worker without ops beside one with them fails at the first step with
+            # TensorFlow's "Collective instance ... expected type" instead.
+            self._check_same_everywhere(None)
 
     def use_cross_device_ops(self, ops: CompressedAllReduce) -> None:
         """Routes gradient all-reduces through `ops` from now on (as if passed to the
@@ -106,15 +110,18 @@ class MultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
         _tf_compat.set_cross_device_ops(self, ops)
         _tf_compat.use_merge_call_for_all_reduce(self.extended)
 
-    def _check_same_everywhere(self, ops: CompressedAllReduce) -> None:
+    def _check_same_everywhere(self, ops: CompressedAllReduce | None) -> None:
         """Raises ValueError on every worker unless all describe `ops` alike (its repr:
-        compressor, settings, bucket size, exchange). Workers of other ops would meet in
+        compressor, settings, bucket size, exchange; None: TensorFlow's own collectives).
+        Workers of other ops would meet in
         collectives of other keys or shapes at the first step and wait there forever,
         or fail with TensorFlow's internal messages. A digest of 48 bits, in three
         16-bit parts, is summed with its squares over the replicas through TensorFlow's
         exact collectives: the parts agree everywhere exactly when n * sum(h^2) equals
         sum(h)^2 (float64 holds these sums exactly up to 2^21 replicas)."""
-        digest = hashlib.sha256(repr(ops).encode()).digest()
+        described = repr(ops) if ops is not None else \
+            "no CompressedAllReduce (TensorFlow's own collectives)"
+        digest = hashlib.sha256(described.encode()).digest()
         parts = np.array([int.from_bytes(digest[i:i + 2], "big") for i in (0, 2, 4)],
                          np.float64)
         mine = tf.constant(np.concatenate([parts, parts ** 2]))
@@ -125,7 +132,7 @@ class MultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
         if np.any(n * total[3:] != total[:3] ** 2):
             raise ValueError(
                 f"the workers' CompressedAllReduce differ: worker {self.worker_index} has "
-                f"{ops!r}, and another worker something else; every worker must build the "
+                f"{described}, and another worker something else; every worker must build the "
                 "same compressor, settings and bucket_bytes (ops that differ meet in "
                 "collectives of other shapes at the first step and wait there)")
 
