@@ -125,7 +125,6 @@ def test_save_weights_carries_state(data, devices, tmp_path):
     assert _state_values(ops2)["stats_steps"] == int(np.ceil(len(x) / BATCH))
 
 
-
 def test_a_keras_file_loaded_brings_its_state_back_through_load_weights(data, devices,
                                                                         tmp_path):
     """`load_model` reads only what the rebuilt model has; tracked, then loaded again with
@@ -145,6 +144,7 @@ def test_a_keras_file_loaded_brings_its_state_back_through_load_weights(data, de
     model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
     loaded.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
     _assert_same(model, ops, loaded, ops2)
+
 
 def test_an_optimizer_resuming_without_its_compression_state_is_warned_of(devices, tmp_path,
                                                                           caplog):

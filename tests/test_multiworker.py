@@ -309,4 +309,3 @@ def test_embedding_gradients_across_workers_are_counted(tmp_path, name):
         stats = json.loads((tmp_path / f"embedding_{rank}.json").read_text())
         assert stats["steps"] == 1 and stats["bytes_sent"] == stats["last_bytes_sent"]
         assert 0 <= stats["last_bytes_sent"] - row["bytes_per_worker"] < padding + 1
-

@@ -185,12 +185,12 @@ def test_numpy_numbers_are_numbers():
 
 def test_a_compressors_setting_given_to_the_ops_says_where_it_goes():
     with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\) \['ratio'\]; its "
-                       r"arguments: bucket_bytes, .*\. ratio set the compressor: "
+                       r"arguments: compression, bucket_bytes, .*\. ratio set the compressor: "
                        r"CompressedAllReduce\(tf_gradsync.compression.get\('topk', ratio=...\)\)"):
         gs.CompressedAllReduce("topk", ratio=0.1)
     with pytest.raises(TypeError) as err:         # a typo of the ops' own: no such hint
         gs.CompressedAllReduce(C.get("sign"), bucket_byts=1)
-    assert "['bucket_byts']; its arguments: bucket_bytes" in str(err.value)
+    assert "['bucket_byts']; its arguments: compression, bucket_bytes" in str(err.value)
     assert "set the compressor" not in str(err.value)
 
 

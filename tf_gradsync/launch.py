@@ -227,7 +227,8 @@ class Job:
         self.procs: list[subprocess.Popen] = []
         #: The rank of the worker whose failure ended the job (`wait`), if one did.
         self.failed_rank: int | None = None
-        #: Then, the other workers that had not failed: "still running" or "had exited 0".
+        #: Then, what the other workers were doing: "still running", "had exited 0" or
+        #: "failed too (exit code N)"; `failed_rank` is the lowest rank that had failed.
         self.others_at_failure: dict[int, str] = {}
         env = dict(env or {})
         if THREADS_ENV not in env:
@@ -268,27 +269,27 @@ class Job:
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            if deadline is not None and time.monotonic() > deadline:
-                running = [r for r, p in enumerate(self.procs) if p.poll() is None]
-                print(f"[launch] worker(s) {_ranks(running)} still running after {timeout:g} s; "
-                      f"stopping them", file=sys.stderr, flush=True)
-                self.stop()
-                raise TimeoutError(f"worker(s) {_ranks(running)} still running after "
-                                   f"{timeout:g} s; stopped them")
+            expired = deadline is not None and time.monotonic() > deadline
             codes = [p.poll() for p in self.procs]
             failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
             if failed:
-                # The first to fail may be a victim: a peer stuck (still running) or gone
-                # early (exited 0) leaves the others' collectives to time out.
+                # The one that failed may be a victim: a peer stuck (still running) or
+                # gone early (exited 0) leaves the others' collectives to time out.
                 self.others_at_failure = {
-                    r: "still running" if c is None else "had exited 0"
-                    for r, c in enumerate(codes) if c in (None, 0)}
+                    r: ("still running" if c is None else "had exited 0" if c == 0
+                        else f"failed too (exit code {c if c > 0 else 128 - c})")
+                    for r, c in enumerate(codes) if r != failed[0]}
                 self.stop()
                 self.failed_rank, code = failed[0], codes[failed[0]]
                 return code if code > 0 else 128 - code
             if all(c == 0 for c in codes):
                 self._drain()
                 return 0
+            if expired:
+                running = [r for r, c in enumerate(codes) if c is None]
+                self.stop()
+                raise TimeoutError(f"worker(s) {', '.join(map(str, running))} still running "
+                                   f"after {timeout:g} s; stopped them")
             time.sleep(0.1)
 
     def signal(self, sig: int) -> None:
@@ -322,10 +323,6 @@ class Job:
     def _drain(self) -> None:
         for t in self._threads:
             t.join(timeout=5)
-
-
-def _ranks(ranks: Sequence[int]) -> str:
-    return ", ".join(map(str, ranks)) or "none"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -176,6 +176,10 @@ def load_model(name: str):
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
     keras = tf.keras
     if os.path.exists(name):
+        try:
+            open(name, "rb").close()       # unreadable is not damaged
+        except OSError as e:
+            raise ValueError(f"--model={name}: cannot be read: {e.strerror}") from e
         if name.lower().endswith(".keras") and not zipfile.is_zipfile(name):
             # Keras would say "File not found" of a file that is there.
             raise ValueError(f"--model={name}: not a Keras archive (model.save writes a "

@@ -59,6 +59,8 @@ class Stats:
           part_of_step: these bytes belong to the step recorded just before (added to
             its `last_bytes_*` too).
         """
+        if count_step and part_of_step:
+            raise ValueError("a reduction either counts a step or adds to the last one")
         self._ensure()
         v = self._vars
         v["bytes_sent"].assign_add(sent)

@@ -47,8 +47,9 @@ class MultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
 
     Raises:
       ValueError: if `cross_device_ops` is not a `CompressedAllReduce`, an argument has
-        the wrong type, or (without `cluster_resolver`) the TF_CONFIG environment
-        variable is malformed (see `check_tf_config`).
+        the wrong type, (without `cluster_resolver`) the TF_CONFIG environment variable
+        is malformed (see `check_tf_config`), or, on every worker, the workers were
+        given other ops (one small exact all-reduce checks, with or without ops).
 
     Example:
       >>> strategy = tf_gradsync.MultiWorkerMirroredStrategy(
@@ -113,9 +114,8 @@ class MultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
     def _check_same_everywhere(self, ops: CompressedAllReduce | None) -> None:
         """Raises ValueError on every worker unless all describe `ops` alike (its repr:
         compressor, settings, bucket size, exchange; None: TensorFlow's own collectives).
-        Workers of other ops would meet in
-        collectives of other keys or shapes at the first step and wait there forever,
-        or fail with TensorFlow's internal messages. A digest of 48 bits, in three
+        Workers of other ops would meet in collectives of other keys or shapes at the
+        first step and wait there forever, or fail with TensorFlow's internal messages. A digest of 48 bits, in three
         16-bit parts, is summed with its squares over the replicas through TensorFlow's
         exact collectives: the parts agree everywhere exactly when n * sum(h^2) equals
         sum(h)^2 (float64 holds these sums exactly up to 2^21 replicas)."""
@@ -134,7 +134,9 @@ class MultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
                 f"the workers' CompressedAllReduce differ: worker {self.worker_index} has "
                 f"{described}, and another worker something else; every worker must build the "
                 "same compressor, settings and bucket_bytes (ops that differ meet in "
-                "collectives of other shapes at the first step and wait there)")
+                "collectives of other shapes at the first step and wait there), and pass "
+                "them the same way: to the constructor on every worker, or to "
+                "use_cross_device_ops on every worker")
 
     @property
     def worker_index(self) -> int:

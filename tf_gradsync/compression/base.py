@@ -691,12 +691,7 @@ class Compressor(abc.ABC):
             factor /= 1 - momentum
             if config.get("nesterov"):
                 changes["nesterov"] = False
-        # Keras' weight decay is decoupled and steps with the rate (w -= w * wd * lr): a
-        # rate scaled alone would scale the decay with it.
-        weight_decay = config.get("weight_decay")
-        if factor != 1 and _positive(weight_decay):
-            changes["weight_decay"] = weight_decay / factor
-        return factor, changes
+        return factor, {**changes, **weight_decay_change(optimizer, factor)}
 
     def optimizer_unseen(self) -> None:
         """Called instead of `check_optimizer` when no optimizer applies the gradients
@@ -724,7 +719,8 @@ class Compressor(abc.ABC):
         if (factor != 1 or changes) and not getattr(applying_optimizer(optimizer), _ADAPTED,
                                                     False):
             what = ", ".join([f"{factor:.3g}x the learning rate"] * (factor != 1) +
-                             [f"{k}={v}" for k, v in changes.items()])
+                             [f"{k}={v:.3g}" if isinstance(v, float) and v else f"{k}={v}"
+                              for k, v in changes.items()])
             k = self.send_interval()
             why = (f"sends an entry about every {k:.3g} steps: error feedback delivers an "
                    "entry's missed steps in bursts, which an optimizer dividing by a running "
@@ -860,6 +856,18 @@ def _scaled_rate(rate: Any, factor: float) -> Any:
 def _number(value: Any) -> bool:
     """Whether an optimizer setting is a plain number (not a bool, schedule or tensor)."""
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def weight_decay_change(optimizer: Any, factor: float) -> dict:
+    """`{"weight_decay": ...}` keeping Keras' weight decay per step under a rate scaled by
+    `factor` (it is decoupled and steps with the rate: w -= w * wd * lr), or {}: no
+    decay, no factor, or an optimizer from elsewhere, whose decay may not step with the
+    rate (tensorflow_addons' AdamW decays by an absolute amount)."""
+    weight_decay = optimizer_config(optimizer).get("weight_decay")
+    native = type(optimizer).__module__.split(".")[0] in ("keras", "tf_keras")
+    if factor == 1 or not native or not _positive(weight_decay):
+        return {}
+    return {"weight_decay": weight_decay / factor}
 
 
 def _positive(value: Any) -> bool:

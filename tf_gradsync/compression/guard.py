@@ -11,7 +11,8 @@ import tensorflow as tf
 
 from tf_gradsync.compression import _util
 from tf_gradsync.compression.base import (GATHER, SUM, Compressor, Context, Layout, Message,
-                                          OptimizerAdvice, Rounds, StateSpec, get)
+                                          OptimizerAdvice, Rounds, StateSpec, get,
+                                          weight_decay_change)
 
 _INNER, _FALLBACK = "inner_", "fallback_"
 
@@ -103,11 +104,13 @@ class Guard(Compressor):
     def _optimizer_changes(self, optimizer: Any) -> tuple[float, dict]:
         """The learning-rate scale, and only the changes the inner compressor cannot
         train without (DGC's momentum, which it applies itself: a bucket the guard
-        sends in fp16 then trains without momentum). The momentum stays otherwise, since the guard may send its buckets dense, where the optimizer
-        needs it (without it, a CNN guarded from a far too aggressive top-k ended 5
-        points below uncompressed training)."""
-        return (self.learning_rate_scale(optimizer),
-                self.inner.required_optimizer_changes(optimizer))
+        sends in fp16 then trains without momentum), and the weight decay kept per step.
+        The momentum stays otherwise, since the guard may send its buckets dense, where
+        the optimizer needs it (without it, a CNN guarded from a far too aggressive
+        top-k ended 5 points below uncompressed training)."""
+        factor = self.learning_rate_scale(optimizer)
+        return factor, {**self.inner.required_optimizer_changes(optimizer),
+                        **weight_decay_change(optimizer, factor)}
 
     def sparse_values_dtype(self, dtype: tf.DType) -> tf.DType | None:
         return self.inner.sparse_values_dtype(dtype)
