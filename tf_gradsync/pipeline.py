@@ -176,14 +176,14 @@ class Pipeline:
     def _plan_of_call(self, plan: BucketPlan, owner: "_Owner", compressor: Compressor
                       ) -> BucketPlan:
         """`plan` for this reduction's state slot (`BucketPlan.nth`): one slot per owner
-        (the optimizer applying the gradients, for the variables it applies them to:
-        heads of one shape trained in turn have a slot each) and per n-th reduction of its tensors by
-        that owner in the graph being traced. Models of one shape reduce through state
-        of their own, not one residual or momentum for all: trained in one step (twin
-        critics, an ensemble, a GAN's two halves) or each in its own `fit` or function
-        on the same ops. A retraced step keeps its slots. Slots are numbered in order
-        of first use: a program that traces its steps in the same order keeps each
-        call's state across restarts, and the first keeps the keys of a plan alone.
+        (the optimizer applying the gradients, for the variables it applies them to: heads
+        of one shape trained in turn have a slot each) and per n-th reduction of its tensors
+        by that owner in the graph being traced. Models of one shape reduce through state of
+        their own, not one residual or momentum for all: trained in one step (twin critics,
+        an ensemble, a GAN's two halves) or each in its own `fit` or function on the same
+        ops. A retraced step keeps its slots. Slots are numbered in order of first use: a
+        program that traces its steps in the same order keeps each call's state across
+        restarts, and the first keeps the keys of a plan alone.
 
         In one process, a new owner takes over the slot of an owner no longer alive (a
         model trained and dropped before the next one, one per fold of a

@@ -176,15 +176,18 @@ def load_model(name: str):
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
     keras = tf.keras
     if os.path.exists(name):
-        try:
-            open(name, "rb").close()       # unreadable is not damaged
-        except OSError as e:
-            raise ValueError(f"--model={name}: cannot be read: {e.strerror}") from e
-        if name.lower().endswith(".keras") and not zipfile.is_zipfile(name):
-            # Keras would say "File not found" of a file that is there.
-            raise ValueError(f"--model={name}: not a Keras archive (model.save writes a "
-                             ".keras file as a zip archive); the file is damaged or of "
-                             "another kind")
+        if os.path.isfile(name) and name.lower().endswith(".keras"):
+            # Keras would say "File not found" of a file that is there. Opened here, as
+            # `is_zipfile` takes an unreadable file for no archive.
+            try:
+                with open(name, "rb") as f:
+                    zipped = zipfile.is_zipfile(f)
+            except OSError as e:
+                raise ValueError(f"--model={name}: cannot be read: {e.strerror}") from e
+            if not zipped:
+                raise ValueError(f"--model={name}: not a Keras archive (model.save writes "
+                                 "a .keras file as a zip archive); the file is damaged or "
+                                 "of another kind")
         try:
             return keras.models.load_model(name, compile=False)
         except Exception as e:    # Keras raises OSError, TypeError, ValueError, ... alike

@@ -115,10 +115,11 @@ class MultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
         """Raises ValueError on every worker unless all describe `ops` alike (its repr:
         compressor, settings, bucket size, exchange; None: TensorFlow's own collectives).
         Workers of other ops would meet in collectives of other keys or shapes at the
-        first step and wait there forever, or fail with TensorFlow's internal messages. A digest of 48 bits, in three
-        16-bit parts, is summed with its squares over the replicas through TensorFlow's
-        exact collectives: the parts agree everywhere exactly when n * sum(h^2) equals
-        sum(h)^2 (float64 holds these sums exactly up to 2^21 replicas)."""
+        first step and wait there forever, or fail with TensorFlow's internal messages.
+        A digest of 48 bits, in three 16-bit parts, is summed with its squares over the
+        replicas through TensorFlow's exact collectives: the parts agree everywhere
+        exactly when n * sum(h^2) equals sum(h)^2 (float64 holds these sums exactly up
+        to 2^21 replicas)."""
         described = repr(ops) if ops is not None else \
             "no CompressedAllReduce (TensorFlow's own collectives)"
         digest = hashlib.sha256(described.encode()).digest()
@@ -132,8 +133,8 @@ class MultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
         if np.any(n * total[3:] != total[:3] ** 2):
             raise ValueError(
                 f"the workers' CompressedAllReduce differ: worker {self.worker_index} has "
-                f"{described}, and another worker something else; every worker must build the "
-                "same compressor, settings and bucket_bytes (ops that differ meet in "
+                f"{described}, and another worker something else; every worker must build "
+                "the same compressor, settings and bucket_bytes (ops that differ meet in "
                 "collectives of other shapes at the first step and wait there), and pass "
                 "them the same way: to the constructor on every worker, or to "
                 "use_cross_device_ops on every worker")
