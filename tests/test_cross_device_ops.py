@@ -658,6 +658,7 @@ def test_a_bucket_waits_only_for_its_own_gradients(devices):
     (dict(bucket_bytes=0), "bucket_bytes must be a positive integer, got 0"),
     (dict(bucket_bytes=-5), "got -5"),
     (dict(compression="zip"), "unknown compressor 'zip'; valid names: .*fp16"),
+    (dict(compression=gs.compression.TopK), r"pass an instance, TopK\(\.\.\.\), or a "),
     (dict(timeout_seconds=-1), "timeout_seconds"),
     (dict(error_feedback="yes"), "error_feedback"),
 ])

@@ -74,6 +74,65 @@ def test_custom_training_loop_matches_reduction_to_one_device(devices, compressi
         np.testing.assert_allclose(g, w, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("compression,tol", [("none", 1e-5), ("fp16", 3e-3)])
+def test_gradient_accumulation_sends_once_per_update(devices, compression, tol):
+    # README's recipe: micro-batches add their gradients into per-replica variables and
+    # the optimizer reduces the sums every K-th; against one step on the K batches at once.
+    k, micro = 4, 8
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(128, 6)).astype(np.float32)
+    y = rng.normal(size=(128, 3)).astype(np.float32)
+
+    def run(cross_device_ops, k, global_batch):
+        strategy = tf.distribute.MirroredStrategy(devices, cross_device_ops=cross_device_ops)
+        with strategy.scope():
+            tf.keras.utils.set_random_seed(1)
+            model = tf.keras.Sequential([tf.keras.Input((6,)), tf.keras.layers.Dense(32, "tanh"),
+                                         tf.keras.layers.Dense(3)])
+            opt = tf.keras.optimizers.SGD(0.1, momentum=0.9)
+            sums = [tf.Variable(tf.zeros_like(v), trainable=False,
+                                synchronization=tf.VariableSynchronization.ON_READ,
+                                aggregation=tf.VariableAggregation.SUM)
+                    for v in model.trainable_variables]
+        dataset = strategy.experimental_distribute_dataset(
+            tf.data.Dataset.from_tensor_slices((x, y)).batch(global_batch))
+
+        @tf.function
+        def accumulate(batch):
+            def fn(bx, by):
+                with tf.GradientTape() as tape:
+                    loss = tf.reduce_sum((model(bx) - by) ** 2) / (global_batch * k)
+                for s, g in zip(sums, tape.gradient(loss, model.trainable_variables)):
+                    s.assign_add(g)
+            strategy.run(fn, args=batch)
+
+        @tf.function
+        def apply():
+            def fn():
+                opt.apply_gradients(zip([s.read_value() for s in sums],
+                                        model.trainable_variables))
+                for s in sums:
+                    s.assign(tf.zeros_like(s))
+            strategy.run(fn)
+
+        for i, batch in enumerate(dataset):
+            accumulate(batch)
+            if (i + 1) % k == 0:
+                apply()
+        return [v.numpy() for v in model.trainable_variables]
+
+    ops = gs.CompressedAllReduce(compression, bucket_bytes=512)
+    got = run(ops, k, micro)
+    want = run(tf.distribute.ReductionToOneDevice(), 1, k * micro)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=tol, atol=tol)
+    stats = ops.stats()
+    assert stats["steps"] == len(x) // (k * micro)
+    assert stats["last_bytes_sent"] > 0
+    ratio = 1 if compression == "none" else 2
+    assert stats["last_bytes_dense"] == ratio * stats["last_bytes_sent"]
+
+
 @pytest.mark.slow
 def test_tf_keras_fit_in_subprocess():
     script = """

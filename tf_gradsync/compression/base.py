@@ -1017,6 +1017,10 @@ def get(name: str | Compressor, **kwargs) -> Compressor:
         if isinstance(name, str) and name.split(":")[0] in _REGISTRY:
             hint = (f"; settings go in arguments: compression.get({name.split(':')[0]!r}, "
                     "key=value, ...), as an instance to CompressedAllReduce")
+        elif isinstance(name, type) and issubclass(name, Compressor):
+            # The class itself, not called: a natural slip when coming from Horovod, whose
+            # compressors are classes.
+            hint = f"; pass an instance, {name.__name__}(...), or a registered name"
         raise ValueError(f"unknown compressor {name!r}; valid names: {', '.join(names())}{hint}")
     cls = _REGISTRY[name]
     params = [p.name for p in inspect.signature(cls.__init__).parameters.values()
