@@ -1,5 +1,6 @@
 """CompressedAllReduce against TensorFlow's ReductionToOneDevice, on 4 logical CPUs."""
 
+import logging
 import warnings
 
 import numpy as np
@@ -388,6 +389,41 @@ def test_dgc_warns_once_when_no_optimizer_can_be_checked(devices):
         warnings.simplefilter("error")
         tf.function(lambda: strategy.run(
             lambda: tf.distribute.get_replica_context().all_reduce(SUM, [tf.ones([4, 3])])))()
+
+
+@pytest.mark.parametrize("name,warned", [("topk", True), ("fp16", False)])
+def test_hand_reductions_of_one_shape_in_two_functions_are_named(devices, caplog, name,
+                                                                 warned):
+    """Without an optimizer to tell them apart, two functions' hand-reduced tensors of one
+    shape share the state of their reductions: said once where there is state (a GAN's
+    halves, each in its own step, would feed each other's residuals), not for a retrace
+    or a scalar."""
+    ops = gs.CompressedAllReduce(name)
+    strategy = tf.distribute.MirroredStrategy(devices, cross_device_ops=ops)
+
+    def reduce_by_hand(shape, dtype):
+        def fn():
+            x = tf.ones(shape, dtype)
+            return tf.distribute.get_replica_context().all_reduce(SUM, [x, tf.reduce_sum(x)])
+        return strategy.run(fn)
+
+    @tf.function
+    def discriminator_step(shape, dtype=tf.float32):
+        return reduce_by_hand(shape, dtype)
+
+    @tf.function
+    def generator_step(shape):
+        return reduce_by_hand(shape, tf.float32)
+
+    with caplog.at_level(logging.WARNING):
+        discriminator_step((40, 30))
+        discriminator_step((40, 30), tf.float64)     # a retrace
+        generator_step((1,))                         # another plan
+        assert "all-reduced by hand" not in caplog.text
+        generator_step((40, 30))
+        generator_step((40, 30))
+    said = caplog.text.count("in functions 'discriminator_step' and 'generator_step'")
+    assert said == (1 if warned else 0), caplog.text
 
 
 def test_dgc_says_once_that_embedding_gradients_get_none_of_its_momentum(devices):

@@ -20,6 +20,7 @@ from tensorflow.python.distribute import distribute_utils as _distribute_utils
 from tensorflow.python.distribute import mirrored_run as _mirrored_run
 from tensorflow.python.distribute import values as _values
 from tensorflow.python.ops import collective_ops as _collective_ops
+from tensorflow.python.ops import control_flow_v2_func_graphs as _control_flow_graphs
 from tensorflow.python.ops import resource_variable_ops as _resource_variable_ops
 
 #: TF's own broadcast by plain copies.
@@ -313,3 +314,12 @@ def xspace(path: str):
 def function_graph(graph, name: str):
     """The FuncGraph of function `name` called from `graph` (a branch of a Case op)."""
     return graph._get_function(name).graph  # pylint: disable=protected-access
+
+
+def traced_function_name() -> str | None:
+    """The Python name of the `tf.function` being traced (through the graphs of its
+    conditionals and loops), or None eagerly."""
+    graph = tf.compat.v1.get_default_graph()
+    while isinstance(graph, _control_flow_graphs.ControlFlowFuncGraph):
+        graph = graph.outer_graph
+    return getattr(graph, "name", None)

@@ -71,6 +71,8 @@ class Pipeline:
         self._ordinals: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         # Per plan, each state slot's (owner, ordinal in its graph), in order of first use.
         self._slots: dict[str, list[tuple[_Owner, int]]] = {}
+        # Per plan, the functions that reduced its tensors by hand (no optimizer applies them).
+        self._hand_reducers: dict[str, list[str]] = {}
         # Every plan a reduction has taken (`_plan_of_call`), by fingerprint.
         self._built: dict[str, BucketPlan] = {}
         self._exchanges: dict[tuple, str] = {}   # "auto"'s choice per bucket layout
@@ -199,6 +201,8 @@ class Pipeline:
             seen = self._ordinals.setdefault(tf.compat.v1.get_default_graph(), {})
             ordinal = seen.get((plan.fingerprint, owner), 0)
             seen[(plan.fingerprint, owner)] = ordinal + 1
+            if not owner.mortal and _has_state(compressor, plan):
+                self._note_hand_reducer(plan)
         slots = self._slots.setdefault(plan.fingerprint, [])
         if (owner, ordinal) in slots:
             slot = slots.index((owner, ordinal))
@@ -216,6 +220,25 @@ class Pipeline:
         self._built.setdefault(plan.fingerprint, plan)
         return plan
 
+    def _note_hand_reducer(self, plan: BucketPlan) -> None:
+        """Warns (once per plan) when tensors of one plan are reduced by hand in a second
+        function: without an optimizer to tell them apart they share the state of their
+        n-th reduction, which is wrong where they are different models' gradients (a GAN's
+        halves of one shape, each in its own step function)."""
+        name = _tf_compat.traced_function_name()
+        names = self._hand_reducers.setdefault(plan.fingerprint, [])
+        if name in names:
+            return
+        names.append(name)
+        if len(names) == 2:
+            logging.warning(
+                "tf_gradsync: tensors of the same shapes are all-reduced by hand (no optimizer "
+                "applies them) in functions %r and %r, which share their compression state "
+                "(error-feedback residual, momentum): what one did not send goes out with the "
+                "other's. If they are different models' gradients, reduce them in one function "
+                "(each reduction in it keeps state of its own) or let each optimizer reduce "
+                "its own (apply_gradients without skipping the aggregation).", *names)
+
     def _warn_of_a_resumed_owner(self, owner: "_Owner", slots: list[tuple["_Owner", int]],
                                  compressor: Compressor, plan: BucketPlan) -> None:
         """Warns when an optimizer new to these ops, which has taken steps (restored
@@ -224,9 +247,7 @@ class Pipeline:
         optimizer holds these tensors' state (what a restore wrote stays with it), or
         when no state was restored for them at all."""
         steps = owner.steps()
-        # State: the compressor's, or in two phases (gathered payloads only) the owners'.
-        if not steps or (compressor.summable
-                         and not any(compressor.state_spec(b.layout) for b in plan.buckets)):
+        if not steps or not _has_state(compressor, plan):
             return
         optimizer = owner.optimizer()
         if any(o.optimizer() is optimizer for ss in self._slots.values() for o, _ in ss):
@@ -441,6 +462,13 @@ class _Owner:
 
     def __hash__(self) -> int:
         return hash(self._id)
+
+
+def _has_state(compressor: Compressor, plan: BucketPlan) -> bool:
+    """Whether reductions under `plan` keep state: the compressor's, or in two phases
+    (gathered payloads only) the owners'."""
+    return not compressor.summable or any(compressor.state_spec(b.layout)
+                                          for b in plan.buckets)
 
 
 def _weak(obj) -> weakref.ref | None:
