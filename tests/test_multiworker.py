@@ -279,6 +279,31 @@ def test_workers_tracing_in_other_orders_or_retracing_alone_still_meet(tmp_path,
         np.testing.assert_allclose(got[0][name], want, rtol=rtol, atol=rtol * want.max())
 
 
+def test_gradients_of_shapes_known_when_they_run_are_compressed_and_counted(tmp_path):
+    """Keras traces `fit` with relaxed shapes: over sequences of varying lengths a Dense
+    kernel's gradient is [None, n]. It takes its variable's shape and is compressed (it
+    went through TensorFlow's collectives, uncounted: fp16 read 2x while sending 1.1x);
+    the call that meets the end of the data counts no step; a tensor of a shape known
+    only when it runs, all-reduced by hand, is counted as its ring sends it, no step."""
+    import _sequence_worker  # tests/_sequence_worker.py
+    proc, _ = run_launcher(_sequence_worker.__file__, 2, f"--out={tmp_path}",
+                           "--compression=fp16", timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    results = [json.loads((tmp_path / f"sequence_{r}.json").read_text()) for r in range(2)]
+    assert results[0]["weights"] == results[1]["weights"]
+    params = 8 * 16 + 16 + 16 * 4 + 4
+    for r in results:
+        fit, hand = r["after_fit"], r["after_hand"]
+        assert fit["steps"] == _sequence_worker.BATCHES
+        # A ring all-reduce over 2 replicas sends each one's whole bucket once.
+        assert fit["last_bytes_dense"] == 4 * params
+        assert fit["last_bytes_sent"] == 2 * params
+        np.testing.assert_array_equal(r["reduced"], np.full([6, 5], 2.0))
+        assert hand["steps"] == fit["steps"]
+        assert hand["bytes_sent"] - fit["bytes_sent"] == 6 * 5 * 4
+        assert hand["bytes_dense"] - fit["bytes_dense"] == 6 * 5 * 4
+
+
 @pytest.mark.parametrize("name", ["none", "fp16", "sign"])
 def test_embedding_gradients_across_workers_are_counted(tmp_path, name):
     """TensorFlow's collectives gather embedding gradients across workers; their bytes

@@ -245,9 +245,11 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
         # Sums of activations (a synchronized batch normalization's moments, in its
         # forward and backward passes) reach here as gradients do, and must stay exact.
         compress = not _tf_compat.reducing_activations()
-        if self._exact_ops is None:
-            return self._run(reduce_op, value_destination_pairs, options, compress)
         pairs = list(value_destination_pairs)
+        if compress:
+            pairs = _with_variable_shapes(pairs)
+        if self._exact_ops is None:
+            return self._run(reduce_op, pairs, options, compress)
         ours, rest = [], []
         for i, (value, dest) in enumerate(pairs):
             v = _tf_compat.to_per_replica(value)
@@ -264,8 +266,8 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
             exact = self._exact_ops.batch_reduce_implementation(
                 reduce_op, [(v, pairs[i][1]) for (v, _), i in zip(narrowed, rest)], options)
             if compress:
-                self._record_gathered_slices([v for v, _ in narrowed],
-                                             [pairs[i][0] for i in rest], part_of_step=bool(ours))
+                self._record_collectives([v for v, _ in narrowed],
+                                         [pairs[i][0] for i in rest], part_of_step=bool(ours))
             for i, r, (_, dtype) in zip(rest, exact, narrowed):
                 if dtype is not None:      # back in the gradient's dtype
                     parts = [r] if isinstance(r, tf.IndexedSlices) else r.values
@@ -273,28 +275,33 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
                 results[i] = r
         return results
 
-    def _record_gathered_slices(self, sent_values, plain_values, part_of_step: bool) -> None:
-        """Counts the embedding gradients (IndexedSlices) that TensorFlow's collectives
-        gather across workers, from the tensors handed to them: each replica's indices
-        and values, in the dtype they travel, reach every other replica, as the
-        compressed gathers count theirs; the reference is the same in the gradients'
-        dtype. A step of its own unless `part_of_step` (the gradients bucketed in this
-        call counted it)."""
-        sent, plain, local = [], [], 1
+    def _record_collectives(self, sent_values, plain_values, part_of_step: bool) -> None:
+        """Counts the gradients that TensorFlow's collectives reduce across workers, from
+        the tensors handed to them: embedding gradients (IndexedSlices), each replica's
+        indices and values in the dtype they travel reaching every other replica, as the
+        compressed gathers count theirs; dense gradients of a shape known only when they
+        run, which its ring all-reduce sends 2(T-1)/T of from each of the T replicas. The
+        reference is the same in the gradients' dtype. A step of its own unless
+        `part_of_step` (the gradients bucketed in this call counted it)."""
+        gathered, plain, ringed, local = [], [], [], 1
         for s_value, p_value in zip(sent_values, plain_values):
             parts = _tf_compat.to_per_replica(s_value).values
-            if not isinstance(parts[0], tf.IndexedSlices):
-                continue
             local = len(parts)
-            sent += [_nbytes(t) for s in parts for t in (s.values, s.indices)]
-            plain += [_nbytes(t) for s in _tf_compat.to_per_replica(p_value).values
-                      for t in (s.values, s.indices)]
-        if not sent:
+            if isinstance(parts[0], tf.IndexedSlices):
+                gathered += [_nbytes(t) for s in parts for t in (s.values, s.indices)]
+                plain += [_nbytes(t) for s in _tf_compat.to_per_replica(p_value).values
+                          for t in (s.values, s.indices)]
+            elif _partly_unknown(s_value) and parts[0].dtype.is_floating:
+                ringed += [_nbytes(t) for t in parts]
+        if not gathered and not ringed:
             return
-        others = local * self._pipeline.num_workers - 1
-        self._pipeline.stats.record(tf.add_n(sent) * others // local,
-                                    tf.add_n(plain) * others // local,
-                                    count_step=not part_of_step, part_of_step=part_of_step)
+        total = local * self._pipeline.num_workers
+        ring = _sum(ringed) * 2 * (total - 1) // (total * local)
+        # Embedding gradients alone are a step (as within a process); the others are not.
+        self._pipeline.stats.record(_sum(gathered) * (total - 1) // local + ring,
+                                    _sum(plain) * (total - 1) // local + ring,
+                                    count_step=bool(gathered) and not part_of_step,
+                                    part_of_step=part_of_step)
 
     def _narrow_sparse(self, value) -> tuple:
         """IndexedSlices values in the compressor's 16-bit dtype (fp16, bf16) before
@@ -357,6 +364,54 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
         return results
 
 
+def _with_variable_shapes(pairs: list) -> list:
+    """`pairs` with each dense gradient whose static shape is partly unknown given the
+    shape of the variable it is applied to, checked when it runs, so that it is bucketed
+    and compressed like the others instead of reduced exactly beside them.
+
+    Keras traces `fit` with relaxed shapes: over sequences of any length a Dense
+    kernel's gradient is [None, 64], and a loss-scale optimizer densifies an embedding's
+    gradient into [None, 32]. The variable is the destination (tf_keras reduces onto
+    it) or the calling optimizer's, in the same order, which every value's shape must
+    fit (Keras 3 all-reduces the gradients it then applies)."""
+    unknown = [i for i, (value, _) in enumerate(pairs) if _partly_unknown(value)]
+    if not unknown:
+        return pairs
+    shapes = [getattr(dest, "shape", None) if isinstance(dest, tf.Variable) else None
+              for _, dest in pairs]
+    if any(shapes[i] is None for i in unknown):
+        _, variables = _tf_compat.calling_optimizer()
+        if variables is None or len(variables) != len(pairs):
+            return pairs
+        shapes = [tf.TensorShape(v.shape) for v in variables]
+        if not all(_first(value).shape.is_compatible_with(shape)
+                   for (value, _), shape in zip(pairs, shapes)):
+            return pairs
+    out = list(pairs)
+    for i in unknown:
+        value, dest = pairs[i]
+        shape = tf.TensorShape(shapes[i])
+        if not shape.is_fully_defined() or not _first(value).shape.is_compatible_with(shape):
+            continue
+        parts = []
+        for t in _tf_compat.to_per_replica(value).values:
+            with tf.device(t.device):
+                parts.append(tf.ensure_shape(t, shape))
+        out[i] = (_tf_compat.per_replica(parts), dest)
+    return out
+
+
+def _first(value):
+    """The first replica's part of a (per-replica) value."""
+    return _tf_compat.to_per_replica(value).values[0]
+
+
+def _partly_unknown(value) -> bool:
+    """A dense value whose static shape is not fully known."""
+    first = _first(value)
+    return not isinstance(first, tf.IndexedSlices) and not first.shape.is_fully_defined()
+
+
 def _placed(value):
     """`value` with each replica's tensor on that replica's device. Per-replica values
     handed to a `tf.function` as arguments (gradients computed in one function and
@@ -386,6 +441,11 @@ def _cast_slices(slices, dtype: tf.DType) -> list:
         with tf.device(s.values.device):
             out.append(tf.IndexedSlices(tf.cast(s.values, dtype), s.indices, s.dense_shape))
     return out
+
+
+def _sum(sizes: list) -> tf.Tensor:
+    """The sum of int64 scalars, 0 for none."""
+    return tf.add_n(sizes) if sizes else tf.constant(0, tf.int64)
 
 
 def _nbytes(t: tf.Tensor) -> tf.Tensor:
