@@ -161,10 +161,13 @@ class Pipeline:
         # one too (a model of embeddings only), a scalar reduced by hand is not. What is
         # reduced exactly by request (sums of activations, single values) counts no
         # bytes either, as across workers, where TensorFlow's collectives reduce it.
-        # Counted once the reduction is done: a step that never reaches it (Keras's last
-        # call of an epoch, which meets the end of the data first) counts nothing.
+        # Counted once the values exist: a step that never reaches the reduction (Keras's
+        # last call of an epoch, which meets the end of the data first) counts nothing.
+        # Not after the results: the next reduction of the step reads the counter, and
+        # would wait for this one's exchange.
         if compress:
-            with tf.control_dependencies(tf.nest.flatten(results, expand_composites=True)):
+            inputs = [v.values for v in values]
+            with tf.control_dependencies(tf.nest.flatten(inputs, expand_composites=True)):
                 self.stats.record(_add(sent) // n, _add(dense) // n,
                                   count_step=bool(groups["compressed"] or groups["sparse"]),
                                   errors=errors)
