@@ -408,8 +408,9 @@ def test_hand_reductions_of_one_shape_in_two_functions_are_named(devices, caplog
         return strategy.run(fn)
 
     @tf.function
-    def discriminator_step(shape, dtype=tf.float32):
-        return reduce_by_hand(shape, dtype)
+    def discriminator_step(shape, retrace=0):
+        del retrace
+        return reduce_by_hand(shape, tf.float32)
 
     @tf.function
     def generator_step(shape):
@@ -417,13 +418,40 @@ def test_hand_reductions_of_one_shape_in_two_functions_are_named(devices, caplog
 
     with caplog.at_level(logging.WARNING):
         discriminator_step((40, 30))
-        discriminator_step((40, 30), tf.float64)     # a retrace
+        discriminator_step((40, 30), retrace=1)      # the same plan traced again
         generator_step((1,))                         # another plan
         assert "all-reduced by hand" not in caplog.text
         generator_step((40, 30))
         generator_step((40, 30))
     said = caplog.text.count("in functions 'discriminator_step' and 'generator_step'")
     assert said == (1 if warned else 0), caplog.text
+
+
+def test_what_tensorflows_collectives_reduce_across_workers_is_counted(devices):
+    """Values left to TensorFlow's collectives across workers count as they travel, per
+    replica: a dense one as its ring all-reduce sends it, 2(T-1)/T of it from each of
+    the T replicas (12: 4 local on each of 3 workers); an embedding gradient's indices
+    and values reach the T-1 others, and count a step."""
+    # pylint: disable=protected-access
+    ops = gs.CompressedAllReduce("fp16")
+    ops._pipeline.num_workers = 3
+    from tf_gradsync import _tf_compat
+    dense = _tf_compat.per_replica([tf.ones([30]) for _ in devices])
+    slices = _tf_compat.per_replica([tf.IndexedSlices(tf.ones([2, 3], tf.float16),
+                                                      tf.constant([0, 4]), tf.constant([10, 3]))
+                                     for _ in devices])
+    ops._record_collectives([dense], [dense], part_of_step=False)
+    stats = ops.stats()
+    assert stats["bytes_sent"] == stats["bytes_dense"] == 2 * 11 * 120 // 12
+    assert stats["steps"] == 0
+    ops.reset_stats()
+    plain = _tf_compat.per_replica([tf.IndexedSlices(tf.cast(t.values, tf.float32), t.indices,
+                                                     t.dense_shape) for t in slices.values])
+    ops._record_collectives([slices], [plain], part_of_step=False)
+    stats = ops.stats()
+    assert stats["steps"] == 1
+    assert stats["bytes_sent"] == 11 * (6 * 2 + 2 * 4)
+    assert stats["bytes_dense"] == 11 * (6 * 4 + 2 * 4)
 
 
 def test_dgc_says_once_that_embedding_gradients_get_none_of_its_momentum(devices):

@@ -10,7 +10,7 @@ import tensorflow as tf
 from tf_gradsync import _tf_compat
 from tf_gradsync.compression import Compressor, Guard, Warmup, get, with_error_feedback
 from tf_gradsync.config import DEFAULT_BUCKET_BYTES, check_settings
-from tf_gradsync.pipeline import Pipeline, path_of
+from tf_gradsync.pipeline import Pipeline, add_sizes, path_of
 from tf_gradsync.state import SyncState
 from tf_gradsync.stats import Stats
 
@@ -276,13 +276,14 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
         return results
 
     def _record_collectives(self, sent_values, plain_values, part_of_step: bool) -> None:
-        """Counts the gradients that TensorFlow's collectives reduce across workers, from
-        the tensors handed to them: embedding gradients (IndexedSlices), each replica's
-        indices and values in the dtype they travel reaching every other replica, as the
-        compressed gathers count theirs; dense gradients of a shape known only when they
-        run, which its ring all-reduce sends 2(T-1)/T of from each of the T replicas. The
-        reference is the same in the gradients' dtype. A step of its own unless
-        `part_of_step` (the gradients bucketed in this call counted it)."""
+        """Counts what TensorFlow's collectives reduce across workers, from the tensors
+        handed to them, as within a process: embedding gradients (IndexedSlices), each
+        replica's indices and values in the dtype they travel reaching every other
+        replica, as the compressed gathers count theirs; dense values (scalars, integers,
+        shapes known only when they run), which its ring all-reduce sends 2(T-1)/T of
+        from each of the T replicas. The reference is the same in the gradients' dtype.
+        Embedding gradients count a step unless `part_of_step` (the gradients bucketed
+        in this call counted it); dense values never do."""
         gathered, plain, ringed, local = [], [], [], 1
         for s_value, p_value in zip(sent_values, plain_values):
             parts = _tf_compat.to_per_replica(s_value).values
@@ -291,15 +292,15 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
                 gathered += [_nbytes(t) for s in parts for t in (s.values, s.indices)]
                 plain += [_nbytes(t) for s in _tf_compat.to_per_replica(p_value).values
                           for t in (s.values, s.indices)]
-            elif _partly_unknown(s_value) and parts[0].dtype.is_floating:
+            else:
                 ringed += [_nbytes(t) for t in parts]
         if not gathered and not ringed:
             return
         total = local * self._pipeline.num_workers
-        ring = _sum(ringed) * 2 * (total - 1) // (total * local)
-        # Embedding gradients alone are a step (as within a process); the others are not.
-        self._pipeline.stats.record(_sum(gathered) * (total - 1) // local + ring,
-                                    _sum(plain) * (total - 1) // local + ring,
+        # Summed over the local replicas: each sends 2(T-1)/T of its own.
+        ring = add_sizes(ringed) * 2 * (total - 1) // (total * local)
+        self._pipeline.stats.record(add_sizes(gathered) * (total - 1) // local + ring,
+                                    add_sizes(plain) * (total - 1) // local + ring,
                                     count_step=bool(gathered) and not part_of_step,
                                     part_of_step=part_of_step)
 
@@ -370,46 +371,41 @@ def _with_variable_shapes(pairs: list) -> list:
     and compressed like the others instead of reduced exactly beside them.
 
     Keras traces `fit` with relaxed shapes: over sequences of any length a Dense
-    kernel's gradient is [None, 64], and a loss-scale optimizer densifies an embedding's
-    gradient into [None, 32]. The variable is the destination (tf_keras reduces onto
+    kernel's gradient is [None, 64], and under mixed precision an embedding's gradient
+    can arrive densified as [None, 32]. The variable is the destination (tf_keras reduces onto
     it) or the calling optimizer's, in the same order, which every value's shape must
     fit (Keras 3 all-reduces the gradients it then applies)."""
-    unknown = [i for i, (value, _) in enumerate(pairs) if _partly_unknown(value)]
+    unknown = [i for i, (value, _) in enumerate(pairs)
+               if path_of(_tf_compat.to_per_replica(value)) == "dynamic"]
     if not unknown:
         return pairs
-    shapes = [getattr(dest, "shape", None) if isinstance(dest, tf.Variable) else None
-              for _, dest in pairs]
+    shapes = [dest.shape if isinstance(dest, tf.Variable) else None for _, dest in pairs]
     if any(shapes[i] is None for i in unknown):
         _, variables = _tf_compat.calling_optimizer()
-        if variables is None or len(variables) != len(pairs):
-            return pairs
-        shapes = [tf.TensorShape(v.shape) for v in variables]
-        if not all(_first(value).shape.is_compatible_with(shape)
-                   for (value, _), shape in zip(pairs, shapes)):
-            return pairs
+        if variables is not None and len(variables) == len(pairs) and all(
+                _first(value).shape.is_compatible_with(v.shape)
+                for (value, _), v in zip(pairs, variables)):
+            shapes = [v.shape if s is None else s for s, v in zip(shapes, variables)]
     out = list(pairs)
     for i in unknown:
         value, dest = pairs[i]
-        shape = tf.TensorShape(shapes[i])
-        if not shape.is_fully_defined() or not _first(value).shape.is_compatible_with(shape):
+        shape = None if shapes[i] is None else tf.TensorShape(shapes[i])
+        if shape is None or not shape.is_fully_defined() or not \
+                _first(value).shape.is_compatible_with(shape):
             continue
         parts = []
         for t in _tf_compat.to_per_replica(value).values:
             with tf.device(t.device):
                 parts.append(tf.ensure_shape(t, shape))
-        out[i] = (_tf_compat.per_replica(parts), dest)
+        shaped = _tf_compat.per_replica(parts)
+        # A value reduced onto itself (Keras 3) goes onto itself still.
+        out[i] = (shaped, shaped if dest is value else dest)
     return out
 
 
 def _first(value):
     """The first replica's part of a (per-replica) value."""
     return _tf_compat.to_per_replica(value).values[0]
-
-
-def _partly_unknown(value) -> bool:
-    """A dense value whose static shape is not fully known."""
-    first = _first(value)
-    return not isinstance(first, tf.IndexedSlices) and not first.shape.is_fully_defined()
 
 
 def _placed(value):
@@ -441,11 +437,6 @@ def _cast_slices(slices, dtype: tf.DType) -> list:
         with tf.device(s.values.device):
             out.append(tf.IndexedSlices(tf.cast(s.values, dtype), s.indices, s.dense_shape))
     return out
-
-
-def _sum(sizes: list) -> tf.Tensor:
-    """The sum of int64 scalars, 0 for none."""
-    return tf.add_n(sizes) if sizes else tf.constant(0, tf.int64)
 
 
 def _nbytes(t: tf.Tensor) -> tf.Tensor:

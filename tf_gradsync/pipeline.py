@@ -168,7 +168,7 @@ class Pipeline:
         if compress:
             inputs = [v.values for v in values]
             with tf.control_dependencies(tf.nest.flatten(inputs, expand_composites=True)):
-                self.stats.record(_add(sent) // n, _add(dense) // n,
+                self.stats.record(add_sizes(sent) // n, add_sizes(dense) // n,
                                   count_step=bool(groups["compressed"] or groups["sparse"]),
                                   errors=errors)
         return results  # type: ignore[return-value]
@@ -340,7 +340,7 @@ class Pipeline:
         for k, d in enumerate(dests):
             with tf.device(d), tf.name_scope("unpack"):
                 per_dest.append(plan.unpack(out_flats[k]))
-        return per_dest, _add(sent), dense, errors
+        return per_dest, add_sizes(sent), dense, errors
 
     def _bucket(self, compressor: Compressor, reduce_op, plan: BucketPlan, bucket: Bucket,
                 xs: list[tf.Tensor], src: tuple[str, ...], step: tf.Tensor,
@@ -539,7 +539,7 @@ def _gather_sum(reduce_op, tensors: Sequence, src, dests, wire: Wire, plain: Wir
     return out
 
 
-def _add(terms) -> tf.Tensor:
+def add_sizes(terms) -> tf.Tensor:
     """The sum of ints and int64 tensors, as an int64 tensor."""
     static = sum(t for t in terms if isinstance(t, int))
     return tf.add_n([tf.constant(static, tf.int64),
