@@ -285,16 +285,16 @@ def test_gradients_of_shapes_known_when_they_run_are_compressed_and_counted(tmp_
     went through TensorFlow's collectives, uncounted: fp16 read 2x while sending 1.1x);
     the call that meets the end of the data counts no step; a tensor of a shape known
     only when it runs, all-reduced by hand, is counted as its ring sends it, no step."""
-    import _sequence_worker  # tests/_sequence_worker.py
-    proc, _ = run_launcher(_sequence_worker.__file__, 2, f"--out={tmp_path}",
+    import _fit_worker  # tests/_fit_worker.py
+    proc, _ = run_launcher(_fit_worker.__file__, 2, f"--out={tmp_path}", "--case=sequences",
                            "--compression=fp16", timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    results = [json.loads((tmp_path / f"sequence_{r}.json").read_text()) for r in range(2)]
+    results = [json.loads((tmp_path / f"sequences_{r}.json").read_text()) for r in range(2)]
     assert results[0]["weights"] == results[1]["weights"]
     params = 8 * 16 + 16 + 16 * 4 + 4
     for r in results:
         fit, hand = r["after_fit"], r["after_hand"]
-        assert fit["steps"] == _sequence_worker.BATCHES
+        assert fit["steps"] == _fit_worker.BATCHES
         # A ring all-reduce over 2 replicas sends each one's whole bucket once.
         assert fit["last_bytes_dense"] == 4 * params
         assert fit["last_bytes_sent"] == 2 * params
@@ -309,13 +309,13 @@ def test_embedding_gradients_across_workers_are_counted(tmp_path, name):
     """TensorFlow's collectives gather embedding gradients across workers; their bytes
     (values in 16 bits under fp16) count in `stats()` as in one process: a step sends
     what the planner prices for two workers."""
-    import _embedding_worker  # tests/_embedding_worker.py
+    import _fit_worker  # tests/_fit_worker.py
     from tf_gradsync import plan
-    proc, _ = run_launcher(_embedding_worker.__file__, 2, f"--out={tmp_path}",
+    proc, _ = run_launcher(_fit_worker.__file__, 2, f"--out={tmp_path}", "--case=embedding",
                            f"--compression={name}", timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     path = str(tmp_path / "rec.keras")
-    _embedding_worker.build().save(path)
+    _fit_worker.build().save(path)
     specs, lookups = plan.gradients_of(path, None, batch=8)
     row = next(r for r in plan.plan(specs, [name], [2], ["1gbit"], 0.01, lookups=lookups)
                if r["compressor"] == name)
