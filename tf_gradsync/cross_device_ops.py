@@ -372,9 +372,9 @@ def _with_variable_shapes(pairs: list) -> list:
 
     Keras traces `fit` with relaxed shapes: over sequences of any length a Dense
     kernel's gradient is [None, 64], and under mixed precision an embedding's gradient
-    can arrive densified as [None, 32]. The variable is the destination (tf_keras reduces onto
-    it) or the calling optimizer's, in the same order, which every value's shape must
-    fit (Keras 3 all-reduces the gradients it then applies)."""
+    can arrive densified as [None, 32]. The variable is the destination (tf_keras
+    reduces onto it) or the calling optimizer's, in the same order, which every value's
+    shape must fit (Keras 3 all-reduces the gradients it then applies)."""
     unknown = [i for i, (value, _) in enumerate(pairs)
                if path_of(_tf_compat.to_per_replica(value)) == "dynamic"]
     if not unknown:
