@@ -1851,6 +1851,56 @@ def test_a_bare_tensor_payload_or_a_decode_of_another_dtype_is_named(registry):
         reduce(_scaled_sign(bare=True)(), [rand(N)])
     with pytest.raises(ValueError, match="decoded a bucket of float32 .* into float64"):
         reduce(_scaled_sign(decode_dtype=tf.float64)(), [rand(N), rand(N, seed=1)])
+    # Under error feedback (a user's compressor's default) too, where the residual is
+    # written from the decoding before any result is.
+    with pytest.raises(ValueError, match=r"decoded a bucket of float32 \(.*\) into float64"):
+        reduce(C.ErrorFeedback(_scaled_sign(decode_dtype=tf.float64)()), [rand(N)])
+
+
+def _odd_dtypes():
+    """A user's compressors whose payloads TensorFlow's collectives do not carry as they
+    are: 16-bit fixed point, summed; signs as bools and a scale, gathered."""
+    class Fixed16(C.Compressor):
+        summable = unbiased = True
+
+        def compress(self, x, ctx):
+            return (tf.cast(tf.round(x * 256), tf.int16),), x.dtype
+
+        def decompress(self, payload, meta):
+            return tf.cast(payload[0], meta) / 256
+
+    class BoolSign(C.Compressor):
+        def compress(self, x, ctx):
+            return (x > 0, tf.reduce_mean(tf.abs(x))), x.dtype
+
+        def decompress(self, payload, meta):
+            return tf.where(payload[0], payload[1], -payload[1])
+    return Fixed16(), BoolSign()
+
+
+@pytest.mark.parametrize("which", [0, 1])
+def test_payloads_of_any_dtype_travel_through_tensorflows_collectives(devices, which):
+    """TensorFlow's all-reduce sums no 8- or 16-bit integers (they travel as int32,
+    counted so) and its gather takes no bools (packed in words as bytes): the collective
+    algorithm, which multi-worker jobs use, reduces them as the ring does."""
+    compressor = _odd_dtypes()[which]
+    rng = np.random.default_rng(0)
+    values = [rng.normal(size=[300]).astype(np.float32) for _ in devices]
+    got = {}
+    for algorithm in ("ring", "collective"):
+        ops = gs.CompressedAllReduce(compressor, algorithm=algorithm, error_feedback=False)
+        strategy = tf.distribute.MirroredStrategy(devices, cross_device_ops=ops)
+
+        def fn():
+            ctx = tf.distribute.get_replica_context()
+            return ctx.all_reduce("sum", tf.gather(np.stack(values), ctx.replica_id_in_sync_group))
+        out = tf.function(lambda: strategy.run(fn))()     # pylint: disable=cell-var-from-loop
+        got[algorithm] = (out.values[0].numpy(), ops.stats()["last_bytes_sent"])
+    np.testing.assert_allclose(got["collective"][0], got["ring"][0], rtol=1e-6)
+    if which == 0:
+        want = sum(np.round(v * 256) for v in values) / 256
+        np.testing.assert_allclose(got["ring"][0], want, rtol=1e-6)
+        assert got["collective"][1] == 2 * got["ring"][1]
 
 
 @pytest.mark.parametrize("returned", ["bare payload", "no meta"])

@@ -224,11 +224,13 @@ def pack_words(tensors: Sequence[tf.Tensor], length: int | None = None) -> tf.Te
     words = []
     for t in tensors:
         flat = tf.reshape(t, [-1])
+        if t.dtype == tf.bool:      # no bitcast for bool: a byte each
+            flat = tf.cast(flat, tf.uint8)
         if t.dtype.size >= 4:
             words.append(tf.reshape(tf.bitcast(flat, tf.int32), [-1]))
             continue
         per_word = 4 // t.dtype.size
-        flat = tf.concat([flat, tf.zeros([(-flat.shape[0]) % per_word], t.dtype)], 0)
+        flat = tf.concat([flat, tf.zeros([(-flat.shape[0]) % per_word], flat.dtype)], 0)
         words.append(tf.bitcast(tf.reshape(flat, [-1, per_word]), tf.int32))
     out = tf.concat(words, 0) if words else tf.zeros([0], tf.int32)
     if length is not None and length > out.shape[0]:
@@ -244,12 +246,13 @@ def unpack_words(words: tf.Tensor, specs: Sequence[tf.TensorSpec]) -> tuple[tf.T
         size = words_of([spec])
         chunk = words[at:at + size]
         at += size
-        if spec.dtype.size >= 4:
-            flat = tf.bitcast(tf.reshape(chunk, [-1, spec.dtype.size // 4]) if spec.dtype.size > 4
-                              else chunk, spec.dtype)
+        dtype = tf.uint8 if spec.dtype == tf.bool else spec.dtype
+        if dtype.size >= 4:
+            flat = tf.bitcast(tf.reshape(chunk, [-1, dtype.size // 4]) if dtype.size > 4
+                              else chunk, dtype)
         else:
-            flat = tf.reshape(tf.bitcast(chunk, spec.dtype), [-1])[:n]
-        out.append(tf.reshape(flat, spec.shape))
+            flat = tf.reshape(tf.bitcast(chunk, dtype), [-1])[:n]
+        out.append(tf.reshape(tf.cast(flat, spec.dtype), spec.shape))
     return tuple(out)
 
 

@@ -179,6 +179,7 @@ def all_reduce(payloads: DevicePayloads, devices: Sequence[str], wire: Wire,
     """
     n = group_size or len(devices)
     gkey = group_key(role or ("local", tuple(devices)))
+    wide = [_summed_as(t.dtype) for t in payloads[0]]
     keys = [next_instance_key(gkey, _shapes([t])) for t in payloads[0]]
 
     def launch(payloads):
@@ -186,13 +187,33 @@ def all_reduce(payloads: DevicePayloads, devices: Sequence[str], wire: Wire,
         for k, ikey in enumerate(keys):
             for i, d in enumerate(devices):
                 with tf.device(d):
-                    out[i].append(_tf_compat.collective_all_reduce(
-                        payloads[i][k], n, gkey, ikey, ordering_token(d), timeout))
+                    t = payloads[i][k]
+                    summed = _tf_compat.collective_all_reduce(
+                        tf.cast(t, wide[k]), n, gkey, ikey, ordering_token(d), timeout)
+                    out[i].append(tf.cast(summed, t.dtype))
         return out
 
     for k in range(len(keys)):
-        wire.fed([p[k] for p in payloads], 2 * (n - 1), n)
+        wire.fed([tf.TensorSpec(p[k].shape, wide[k]) for p in payloads], 2 * (n - 1), n)
     return in_graph(launch, payloads, devices)
+
+
+# CollectiveReduceV2 sums these dtypes only.
+_SUMMABLE = (tf.bfloat16, tf.float16, tf.float32, tf.float64, tf.int32, tf.int64)
+
+
+def _summed_as(dtype: tf.DType) -> tf.DType:
+    """The dtype a summed payload tensor of `dtype` travels in: its own, or int32 for
+    8- and 16-bit integers (counted as sent)."""
+    if dtype in _SUMMABLE:
+        return dtype
+    if dtype.is_integer and dtype.size < 4:
+        return tf.int32
+    raise ValueError(
+        f"a summed payload tensor of {dtype.name} cannot travel through TensorFlow's "
+        f"collectives, which sum {', '.join(d.name for d in _SUMMABLE)} (and 8- and "
+        "16-bit integers as int32): send another dtype, or mark the compressor not "
+        "summable so that its payloads are gathered")
 
 
 # CollectiveGatherV2 carries float16/32/64 and int32/64 only; other payloads (packed

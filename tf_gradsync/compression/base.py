@@ -992,6 +992,18 @@ def register(name: str):
     return wrap
 
 
+def check_decoded(compressor: "Compressor", y, x: tf.Tensor) -> None:
+    """Raises a ValueError naming `compressor` unless `y`, what it decoded of a bucket
+    `x`, has `x`'s shape and dtype (the unpack, the residual and the error measurement
+    would otherwise fail far from the compressor, or a gradient come back in another
+    dtype)."""
+    if not (tf.is_tensor(y) and y.dtype == x.dtype and y.shape.is_compatible_with(x.shape)):
+        got = f"{y.dtype.name} {y.shape}" if tf.is_tensor(y) else repr(y)
+        raise ValueError(f"{compressor!r} decoded a bucket of {x.dtype.name} {x.shape} into "
+                         f"{got}: decompress (or rounds) must give the bucket's shape "
+                         "and dtype")
+
+
 def names() -> list[str]:
     """Names of all registered compressors, sorted."""
     return sorted(_REGISTRY)

@@ -14,7 +14,7 @@ import tensorflow as tf
 
 from tf_gradsync.compression import two_phase
 from tf_gradsync.compression.base import (GATHER, SCATTER, SUM, Compressor, Context, Message,
-                                          nbytes)
+                                          check_decoded, nbytes)
 
 #: `exchange(messages) -> (received, bytes)`: one message per replica (same round), what
 #: each replica receives (SUM: the summed payload; GATHER: every replica's payload, in
@@ -161,11 +161,7 @@ def _check_results(compressor: Compressor, results: Sequence, xs: Sequence[tf.Te
     error measurement would otherwise fail far from the compressor, or a gradient come
     back in another dtype)."""
     for y, x in zip(results, xs):
-        if not (tf.is_tensor(y) and y.dtype == x.dtype and y.shape.is_compatible_with(x.shape)):
-            got = f"{y.dtype.name} {y.shape}" if tf.is_tensor(y) else repr(y)
-            raise ValueError(f"{compressor!r} decoded a bucket of {x.dtype.name} {x.shape} into "
-                             f"{got}: decompress (or rounds) must give the bucket's shape "
-                             "and dtype")
+        check_decoded(compressor, y, x)
 
 
 def _specs(payload) -> list:

@@ -15,7 +15,7 @@ import tensorflow as tf
 
 from tf_gradsync.compression import _util, xla
 from tf_gradsync.compression.base import (Compressor, Context, Layout, Payload, StateSpec,
-                                          Wrapper, get)
+                                          Wrapper, check_decoded, get)
 
 _INNER = "inner_"
 
@@ -83,8 +83,10 @@ class ErrorFeedback(Wrapper):
         payload = tuple(payload)
 
         def rest(sent) -> None:
+            decoded = self.inner.decompress(sent, meta)
+            check_decoded(self.inner, decoded, x)
             # Written in place: compiled, the residual's buffer is reused.
-            residual.assign(e - tf.cast(self.inner.decompress(sent, meta), residual.dtype))
+            residual.assign(e - tf.cast(decoded, residual.dtype))
         xla.decode(self, ctx, rest, payload)
         ctx.keep_residual(residual, e)
         return payload, meta
