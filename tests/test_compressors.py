@@ -937,6 +937,14 @@ def test_adapt_optimizer_keeps_the_weight_decay_per_step():
         ops.compressor.check_optimizer(tf.keras.optimizers.AdamW(1e-3, weight_decay=0.1))
     assert ops.adapt_optimizer(tf.keras.optimizers.Adam(1e-3)).get_config()["weight_decay"] \
         is None
+    # What `exclude_from_weight_decay` keeps out lives outside the config: it stays out.
+    dense = tf.keras.layers.Dense(2)
+    dense.build((None, 3))
+    opt = tf.keras.optimizers.AdamW(1e-3, weight_decay=0.1)
+    opt.exclude_from_weight_decay(var_names=["bias"])
+    adapted = ops.adapt_optimizer(opt)
+    assert adapted is not opt
+    assert [adapted._use_weight_decay(v) for v in (dense.kernel, dense.bias)] == [True, False]
 
 
 def test_adapt_optimizer_names_a_subclass_its_config_cannot_rebuild():
@@ -963,7 +971,13 @@ def test_adapt_optimizer_under_tf_keras():
               "w = tf.keras.mixed_precision.LossScaleOptimizer(tf.keras.optimizers.Adam(1e-3))\n"
               "a = gs.CompressedAllReduce('topk').adapt_optimizer(w)\n"
               "i = a.inner_optimizer.get_config()\n"
-              "print('WRAPPED', type(a).__name__, i['learning_rate'], i['beta_1'])\n")
+              "print('WRAPPED', type(a).__name__, i['learning_rate'], i['beta_1'])\n"
+              "d = tf.keras.layers.Dense(2)\n"
+              "d.build((None, 3))\n"
+              "w = tf.keras.optimizers.AdamW(weight_decay=0.1)\n"
+              "w.exclude_from_weight_decay(var_names=['bias'])\n"
+              "a = gs.CompressedAllReduce('topk').adapt_optimizer(w)\n"
+              "print('DECAYED', a is not w, *[a._use_weight_decay(v) for v in d.weights])\n")
     stdout = _tf_keras.run(script, timeout=300)
     module, lr, beta_1 = _tf_keras.lines(stdout)[-1]
     assert module.startswith("tf_keras")
@@ -974,6 +988,7 @@ def test_adapt_optimizer_under_tf_keras():
     name, lr, beta_1 = _tf_keras.lines(stdout, "WRAPPED")[-1]
     assert name.startswith("LossScaleOptimizer")
     assert float(lr) == pytest.approx(1e-3 * 100 ** (1 / 3)) and float(beta_1) == 0.0
+    assert _tf_keras.lines(stdout, "DECAYED")[-1] == ["True", "True", "False"]
 
 
 def test_a_sparse_payload_warns_an_adaptive_optimizer():

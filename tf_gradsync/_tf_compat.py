@@ -7,6 +7,7 @@ publicly. Keeping these imports here means a TensorFlow upgrade touches one file
 
 from __future__ import annotations
 
+import copy
 import sys
 import threading
 import types
@@ -323,3 +324,12 @@ def traced_function_name() -> str | None:
     while isinstance(graph, _control_flow_graphs.ControlFlowFuncGraph):
         graph = graph.outer_graph
     return getattr(graph, "name", None)
+
+
+def copy_weight_decay_exclusions(source, target) -> None:
+    """Gives Keras optimizer `target` the variables `source` keeps out of weight decay
+    (`exclude_from_weight_decay`), which Keras 3 and tf_keras hold outside the
+    optimizer's config, so that a rebuilt optimizer would decay them."""
+    for name, value in vars(source).items():
+        if name.startswith("_exclude_from_weight_decay") and not name.endswith("_cache"):
+            setattr(target, name, copy.copy(value))

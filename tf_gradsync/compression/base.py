@@ -29,6 +29,7 @@ from typing import Any, Callable, ClassVar, Generator, Iterable, Mapping, Sequen
 import numpy as np
 import tensorflow as tf
 
+from tf_gradsync import _tf_compat
 from tf_gradsync.compression import xla
 
 Payload = tuple[tf.Tensor, ...]
@@ -663,6 +664,7 @@ class Compressor(abc.ABC):
                     f"{adapting}, but it cannot be rebuilt from its get_config() "
                     f"({type(e).__name__}: {e}): if get_config leaves a constructor "
                     "argument out, return it there, or make these changes yourself") from e
+            _tf_compat.copy_weight_decay_exclusions(optimizer, adapted)
             setattr(adapted, _ADAPTED, True)
         # What the first step would refuse (dgc under Adam) is refused here, before a
         # model is built around it.
