@@ -1872,6 +1872,33 @@ def test_a_bare_tensor_payload_or_a_decode_of_another_dtype_is_named(registry):
         reduce(C.ErrorFeedback(_scaled_sign(decode_dtype=tf.float64)()), [rand(N)])
 
 
+def test_state_and_modes_declared_wrongly_are_named(registry):
+    """A user's `state_spec` that returns no dict of StateSpecs, and modes that `mode()`
+    does not pick among, are named where they are met, not as TensorFlow's errors far
+    from the compressor (a list had no `items`; mode 5 of 2 ran the last silently)."""
+    class Listed(_scaled_sign()):
+        def state_spec(self, layout):
+            return [C.StateSpec((layout.numel,), tf.float32)]
+
+    with pytest.raises(TypeError, match=r"Listed.state_spec must return a dict of names to "
+                                        r"StateSpec.*got \[StateSpec"):
+        reduce(Listed(), [rand(N)])
+
+    def moded(picked):
+        class Moded(_scaled_sign()):
+            num_modes = 2
+
+            def mode(self, ctx):
+                return picked
+        return Moded()
+
+    for picked in (None, 5):
+        with pytest.raises(ValueError, match=rf"num_modes=2 and its mode\(\) returned {picked}"):
+            reduce(moded(picked), [rand(N)])
+    out = reduce(moded(1), [rand(N), rand(N, seed=1)])     # a Python int is taken
+    assert out.results[0].shape == [N]
+
+
 def _odd_dtypes():
     """A user's compressors whose payloads TensorFlow's collectives do not carry as they
     are: 16-bit fixed point, summed; signs as bools and a scale, gathered."""

@@ -360,6 +360,8 @@ class Compressor(abc.ABC):
         cls.one_round = cls.compress is not Compressor.compress
         if "splittable" not in cls.__dict__ and not cls.one_round:
             cls.splittable = False
+        if "state_spec" in cls.__dict__:
+            cls.state_spec = _checked_state_spec(cls.__dict__["state_spec"])
 
     def state_spec(self, layout: Layout) -> dict[str, StateSpec]:
         """State this compressor keeps per bucket and replica (none by default)."""
@@ -992,6 +994,20 @@ def register(name: str):
         _REGISTRY[name] = cls
         return cls
     return wrap
+
+
+def _checked_state_spec(state_spec: Callable) -> Callable:
+    """`state_spec` that names the compressor when it returns anything but a mapping of
+    names to `StateSpec`s (the state would otherwise fail to build far from it)."""
+    @functools.wraps(state_spec)
+    def checked(self, layout):
+        specs = state_spec(self, layout)
+        if not (isinstance(specs, Mapping) and all(
+                isinstance(k, str) and isinstance(v, StateSpec) for k, v in specs.items())):
+            raise TypeError(f"{type(self).__name__}.state_spec must return a dict of names to "
+                            f"StateSpec(shape, dtype[, initializer]), got {specs!r}")
+        return specs
+    return checked
 
 
 def check_decoded(compressor: "Compressor", y, x: tf.Tensor) -> None:

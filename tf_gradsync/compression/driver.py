@@ -77,9 +77,15 @@ def run(compressor: Compressor, xs: Sequence[tf.Tensor], ctxs: Sequence[Context]
         return results, errors
 
     index = _on(devices[0], lambda: compressor.mode(two_phase.mode_context(ctxs[0])))
+    if (index is None) != (compressor.num_modes == 1) or (
+            isinstance(index, int) and not 0 <= index < compressor.num_modes):
+        raise ValueError(f"{compressor!r} has num_modes={compressor.num_modes} and its mode() "
+                         f"returned {index!r}: a compressor of several modes returns a scalar "
+                         "int32 tensor in [0, num_modes), one of a single mode None")
     if index is None:
         (results, (err, norm)), total = one_mode(0), sent[0]
     else:
+        index = tf.cast(index, tf.int32)
         results, (err, norm) = tf.switch_case(
             index, [lambda m=m: one_mode(m) for m in range(compressor.num_modes)])
         results = list(results)
