@@ -151,7 +151,10 @@ def _check_round(compressor: Compressor, messages: Sequence[Message]) -> None:
     first = messages[0]
     for m in messages:
         if not isinstance(m, Message):
-            raise ValueError(f"{compressor!r}: a round must yield a Message, got {m!r}")
+            got = (f"a {type(m).__name__} of {[getattr(t, 'shape', t) for t in m]}"
+                   if isinstance(m, (tuple, list)) else type(m).__name__)
+            raise ValueError(f"{compressor!r}: a round must yield a Message(payload, "
+                             f"transport), got {got}")
         # Payloads of a two-phase gather differ between replicas as their `like` says.
         same = (m.like == first.like if m.like is not None else
                 [_specs(p) for p in m.parts()] == [_specs(p) for p in first.parts()])
@@ -159,7 +162,11 @@ def _check_round(compressor: Compressor, messages: Sequence[Message]) -> None:
             raise ValueError(f"{compressor!r}: replicas sent different payloads in one round: "
                              f"{first} vs {m}")
     for part in first.parts():
-        nbytes(part)    # static shapes, or a clear error
+        try:
+            nbytes(part)
+        except ValueError as e:    # the compressor named: sizes come from static shapes
+            raise ValueError(f"{compressor!r}: {e} in its payload "
+                             f"{[t.shape for t in part]}") from None
 
 
 def _check_results(compressor: Compressor, results: Sequence, xs: Sequence[tf.Tensor]) -> None:
