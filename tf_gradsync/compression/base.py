@@ -726,9 +726,11 @@ class Compressor(abc.ABC):
                              [f"{k}={v:.3g}" if isinstance(v, float) and v else f"{k}={v}"
                               for k, v in changes.items()])
             k = self.send_interval()
+            slows = ("an optimizer dividing by a running root mean square slows and a "
+                     "momentum delays further" if divides_by_rms(applying_optimizer(optimizer))
+                     else "a momentum delays")
             why = (f"sends an entry about every {k:.3g} steps: error feedback delivers an "
-                   "entry's missed steps in bursts, which an optimizer dividing by a running "
-                   "root mean square slows and a momentum delays further (or use a "
+                   f"entry's missed steps in bursts, which {slows} (or use a "
                    "compressor that sends every entry: int8, qsgd, sign, powersgd)" if k > 1
                    else f"moves an entry {self.rms_step():.2g} times as far per step as the "
                    "dense gradient under an optimizer dividing by a running root mean "
