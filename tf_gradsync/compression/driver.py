@@ -123,7 +123,8 @@ def run_mode(compressor: Compressor, xs: Sequence[tf.Tensor], ctxs: Sequence[Con
             raise ValueError(f"{compressor!r}: replicas ran different numbers of rounds")
         if done:
             results = [s.value for s in done]
-            _check_results(compressor, results, xs)
+            for y, x in zip(results, xs):
+                check_decoded(compressor, y, x)
         else:
             messages = steps
     errors = [e for c in ctxs for e in (c.errors or [])]
@@ -167,14 +168,6 @@ def _check_round(compressor: Compressor, messages: Sequence[Message]) -> None:
         except ValueError as e:    # the compressor named: sizes come from static shapes
             raise ValueError(f"{compressor!r}: {e} in its payload "
                              f"{[t.shape for t in part]}") from None
-
-
-def _check_results(compressor: Compressor, results: Sequence, xs: Sequence[tf.Tensor]) -> None:
-    """Each replica's reduced bucket has its input's shape and dtype (the unpack and the
-    error measurement would otherwise fail far from the compressor, or a gradient come
-    back in another dtype)."""
-    for y, x in zip(results, xs):
-        check_decoded(compressor, y, x)
 
 
 def _specs(payload) -> list:
