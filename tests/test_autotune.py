@@ -495,10 +495,13 @@ def test_every_worker_reaches_the_same_decision(tmp_path):
 def test_a_models_embedding_tables_are_left_out_of_the_priced_weights():
     """An Embedding's gradient is the rows it looked up, gathered alike under every
     candidate: autotune prices the model's other weights, not the table as a dense
-    gradient compressed."""
+    gradient compressed; with `sparse_as_dense=True` among the ops' arguments it is
+    one."""
     ids = tf.keras.Input((5,), dtype="int32")
     rows = tf.keras.layers.Embedding(10_000, 16)(ids)
     model = tf.keras.Model(ids, tf.keras.layers.Dense(3)(tf.keras.layers.Flatten()(rows)))
     assert autotuning._specs(model) == [((80, 3), tf.float32), ((3,), tf.float32)]
     table = model.layers[1].embeddings
     assert autotuning._specs([table]) == [((10_000, 16), tf.float32)]   # named: kept
+    assert autotuning._specs(model, sparse_as_dense=True) == [
+        ((10_000, 16), tf.float32), ((80, 3), tf.float32), ((3,), tf.float32)]

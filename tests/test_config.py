@@ -46,6 +46,10 @@ def test_every_constructor_setting_has_a_key():
     assert "jit_compile=False" in repr(ops) and not ops._pipeline.measure_error
     with pytest.raises(ValueError, match="jit_compile must be True or False, got 'no'"):
         gs.load_config({"compression": "fp16", "jit_compile": "no"})
+    ops = gs.load_config({"compression": "fp16", "sparse_as_dense": True})
+    assert ops.sparse_as_dense and "sparse_as_dense=True" in repr(ops)
+    with pytest.raises(ValueError, match="sparse_as_dense must be True or False, got 1"):
+        gs.CompressedAllReduce("fp16", sparse_as_dense=1)
 
 
 @pytest.mark.parametrize("data,match", [

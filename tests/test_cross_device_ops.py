@@ -471,6 +471,20 @@ def test_dgc_says_once_that_embedding_gradients_get_none_of_its_momentum(devices
         warnings.simplefilter("error")
         dgc()                                # once
         step(gs.CompressedAllReduce("topk", error_feedback=True))()
+    # Densified, the table's gradient goes through dgc with the others.
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        step(gs.CompressedAllReduce("dgc", sparse_as_dense=True))()
+    assert not [w for w in seen if "IndexedSlices" in str(w.message)]
+    ops = gs.CompressedAllReduce("none", sparse_as_dense=True)
+    table, _ = step(ops)()
+    expected = np.zeros([10, 3])
+    expected[[0, 4]] = len(devices)
+    for t in results(table):
+        assert not isinstance(t, tf.IndexedSlices)
+        np.testing.assert_array_equal(t, expected)
+    assert ops.stats()["last_bytes_dense"] == 4 * (10 * 3 + 40 * 30) * 2 * (len(devices) - 1) \
+        // len(devices)
 
 
 def test_a_scalar_reduced_by_hand_is_exact_and_counts_no_step(devices):

@@ -304,21 +304,24 @@ def test_gradients_of_shapes_known_when_they_run_are_compressed_and_counted(tmp_
         assert hand["bytes_dense"] - fit["bytes_dense"] == 6 * 5 * 4
 
 
-@pytest.mark.parametrize("name", ["none", "fp16", "sign"])
-def test_embedding_gradients_across_workers_are_counted(tmp_path, name):
+@pytest.mark.parametrize("name,dense", [("none", False), ("fp16", False), ("sign", False),
+                                        ("fp16", True)])
+def test_embedding_gradients_across_workers_are_counted(tmp_path, name, dense):
     """TensorFlow's collectives gather embedding gradients across workers; their bytes
     (values in 16 bits under fp16) count in `stats()` as in one process: a step sends
-    what the planner prices for two workers."""
+    what the planner prices for two workers. With `sparse_as_dense` the table's
+    gradient is bucketed and compressed with the rest, as the planner prices it then."""
     import _fit_worker  # tests/_fit_worker.py
     from tf_gradsync import plan
+    spec = f"{name}:sparse_as_dense=true" if dense else name
     proc, _ = run_launcher(_fit_worker.__file__, 2, f"--out={tmp_path}", "--case=embedding",
-                           f"--compression={name}", timeout=300)
+                           f"--compression={spec}", timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     path = str(tmp_path / "rec.keras")
     _fit_worker.build().save(path)
     specs, lookups = plan.gradients_of(path, None, batch=8)
-    row = next(r for r in plan.plan(specs, [name], [2], ["1gbit"], 0.01, lookups=lookups)
-               if r["compressor"] == name)
+    row = next(r for r in plan.plan(specs, [spec], [2], ["1gbit"], 0.01, lookups=lookups)
+               if r["compressor"] == spec)
     # Across workers a gathered payload of several tensors (sign's bits and scales)
     # travels packed in int32 words, whose padding the planner does not price.
     padding = 0 if name in ("none", "fp16") else 4 * len(specs)
@@ -326,3 +329,5 @@ def test_embedding_gradients_across_workers_are_counted(tmp_path, name):
         stats = json.loads((tmp_path / f"embedding_{rank}.json").read_text())
         assert stats["steps"] == 1 and stats["bytes_sent"] == stats["last_bytes_sent"]
         assert 0 <= stats["last_bytes_sent"] - row["bytes_per_worker"] < padding + 1
+        if dense:    # every gradient in one fp16 ring all-reduce
+            assert stats["compression_ratio"] == 2.0

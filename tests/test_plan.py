@@ -129,11 +129,13 @@ def test_a_saved_model_is_read_by_path(tmp_path):
     assert plan.gradients_of(path, None)[0] == [((7, 3), tf.float32), ((3,), tf.float32)]
 
 
-@pytest.mark.parametrize("name", ["none", "fp16", "topk", "sign"])
-def test_embedding_tables_are_priced_as_the_rows_they_gather(devices, tmp_path, name):
+@pytest.mark.parametrize("name,dense", [("none", False), ("fp16", False), ("topk", False),
+                                        ("sign", False), ("topk", True)])
+def test_embedding_tables_are_priced_as_the_rows_they_gather(devices, tmp_path, name, dense):
     """An Embedding's gradient is the rows it looked up, gathered as they are (fp16
     halves their values), not its table compressed: the planner's bytes per worker for
-    a saved model with one equal what a step of `fit` on two replicas sends."""
+    a saved model with one equal what a step of `fit` on two replicas sends. With
+    `sparse_as_dense` the table is priced, and sent, as a dense gradient."""
     def build():
         ids = tf.keras.Input((10,), dtype="int32")
         rows = tf.keras.layers.Embedding(2000, 8, name="emb")(ids)
@@ -142,10 +144,19 @@ def test_embedding_tables_are_priced_as_the_rows_they_gather(devices, tmp_path, 
     build().save(path)
     specs, lookups = plan.gradients_of(path, None, batch=8)
     assert specs == [((80, 4), tf.float32), ((4,), tf.float32)]
-    assert [(t.rows, t.width, t.per_example) for t in lookups] == [(80, 8, 10)]
-    row = next(r for r in plan.plan(specs, [name], [2], ["1gbit"], 0.01, lookups=lookups)
+    assert [(t.rows, t.width, t.per_example, t.table_rows)
+            for t in lookups] == [(80, 8, 10, 2000)]
+    row = next(r for r in plan.plan(specs, [name], [2], ["1gbit"], 0.01, lookups=lookups,
+                                    sparse_as_dense=dense)
                if r["compressor"] == name)
-    ops = ops_from_spec(name)
+    if dense:    # the command line's flag prices the same
+        out = tmp_path / "rows.json"
+        plan.main(["plan", f"--model={path}", "--compute_s=0.01", f"--compressors={name}",
+                   "--workers=2", "--batch=8", "--sparse_as_dense", f"--json={out}"])
+        (flagged,) = [r for r in json.loads(out.read_text())
+                      if (r["compressor"], r["exchange"]) == (name, row["exchange"])]
+        assert flagged["bytes_per_worker"] == row["bytes_per_worker"]
+    ops = ops_from_spec(name, sparse_as_dense=dense)
     strategy = tf.distribute.MirroredStrategy(devices[:2], cross_device_ops=ops)
     with strategy.scope():
         model = build()

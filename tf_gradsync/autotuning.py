@@ -260,9 +260,10 @@ def _mean_over_workers(strategy: tf.distribute.Strategy, values: Sequence[float]
     return [float(x) / strategy.num_replicas_in_sync for x in summed]
 
 
-def _specs(weights) -> list[tuple[tuple[int, ...], tf.DType]]:
+def _specs(weights, sparse_as_dense: bool = False) -> list[tuple[tuple[int, ...], tf.DType]]:
     if hasattr(weights, "trainable_weights"):
-        weights = _tf_compat.dense_gradient_weights(weights)
+        weights = (weights.trainable_weights if sparse_as_dense
+                   else _tf_compat.dense_gradient_weights(weights))
     out = []
     for w in weights:
         if isinstance(w, tuple) and len(w) == 2:
@@ -293,7 +294,8 @@ def autotune(strategy: tf.distribute.Strategy, weights, *, compute: float | Call
       weights: a Keras model (its trainable weights less its Embedding tables, whose
         gradients are the rows looked up, gathered uncompressed: left out of the
         pricing, with fp16's and bf16's halving of their values and their share of the
-        step), a list of variables or of `(shape, dtype)` pairs.
+        step; with `sparse_as_dense=True` in `ops_kwargs` the tables too), a list of
+        variables or of `(shape, dtype)` pairs.
       compute: forward + backward seconds per step, or a function running one such
         step (without gradient synchronisation), timed here.
       accuracy: "lossless" (none, fp16, bf16), "balanced" (adds the compressors within
@@ -403,7 +405,7 @@ def autotune(strategy: tf.distribute.Strategy, weights, *, compute: float | Call
         raise ValueError(f"autotune probes the link with exact all-reduces, but the strategy "
                          f"already uses {current!r}; create it without cross_device_ops or "
                          "with CompressedAllReduce('none')")
-    specs = _specs(weights)
+    specs = _specs(weights, bool(ops_kwargs.get("sparse_as_dense")))
     if not specs:
         raise ValueError(f"autotune needs the weights the gradients are of, got none in "
                          f"{type(weights).__name__}; build the model first (a keras.Input or "

@@ -60,6 +60,7 @@ class SyncConfig:
     measure_error: bool = True
     guard: bool = False
     jit_compile: bool = True
+    sparse_as_dense: bool = False
 
     def __post_init__(self):
         if self.compression not in compression.names():
@@ -81,7 +82,7 @@ class SyncConfig:
                        algorithm=self.algorithm, exchange=self.exchange,
                        timeout_seconds=self.timeout_seconds, warmup_steps=self.warmup_steps,
                        measure_error=self.measure_error, guard=self.guard,
-                       jit_compile=self.jit_compile)
+                       jit_compile=self.jit_compile, sparse_as_dense=self.sparse_as_dense)
 
     def build(self):
         """Returns a `CompressedAllReduce` with these settings."""
@@ -91,7 +92,8 @@ class SyncConfig:
             error_feedback=self.error_feedback, bucket_bytes=self.bucket_bytes,
             algorithm=self.algorithm, exchange=self.exchange,
             timeout_seconds=self.timeout_seconds, warmup_steps=self.warmup_steps,
-            measure_error=self.measure_error, guard=self.guard, jit_compile=self.jit_compile)
+            measure_error=self.measure_error, guard=self.guard, jit_compile=self.jit_compile,
+            sparse_as_dense=self.sparse_as_dense)
 
 
 def check_bucket_bytes(bucket_bytes) -> None:
@@ -102,7 +104,8 @@ def check_bucket_bytes(bucket_bytes) -> None:
 
 def check_settings(*, error_feedback=None, bucket_bytes=DEFAULT_BUCKET_BYTES, algorithm="auto",
                    exchange="auto", timeout_seconds=None, warmup_steps=0,
-                   measure_error=True, guard=False, jit_compile=True) -> None:
+                   measure_error=True, guard=False, jit_compile=True,
+                   sparse_as_dense=False) -> None:
     """The checks of every setting of a `CompressedAllReduce` but the compressor: the
     one place they live, for the constructor and for presets alike.
 
@@ -124,7 +127,7 @@ def check_settings(*, error_feedback=None, bucket_bytes=DEFAULT_BUCKET_BYTES, al
         raise ValueError("timeout_seconds must be a positive, finite number of seconds or "
                          f"None (null in YAML), got {timeout_seconds!r}")
     for name, value in (("measure_error", measure_error), ("guard", guard),
-                        ("jit_compile", jit_compile)):
+                        ("jit_compile", jit_compile), ("sparse_as_dense", sparse_as_dense)):
         if not isinstance(value, (bool, np.bool_)):
             raise ValueError(f"{name} must be True or False, got {value!r}")
     if guard and exchange == "two_phase":

@@ -65,6 +65,13 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
         payloads of 25M entries summed in 19 ms instead of 92. Each bucket compiles
         on the first step. False runs them as TensorFlow ops (a device without XLA,
         debugging).
+      sparse_as_dense: densify embedding gradients (IndexedSlices) on each replica and
+        bucket and compress them with the dense gradients, as Horovod's
+        `sparse_as_dense`. It pays where a step looks up a large share of a table's rows
+        (small vocabularies, long sequences): gathered, the rows each replica looked up
+        reach every other as they are, N-1 payloads of them; densified, the table's
+        whole gradient goes through the compressor. The optimizer then gets dense
+        gradients for those tables.
       name: name of the module (for checkpoints).
 
     Raises:
@@ -87,7 +94,8 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
                  algorithm: str = "auto", error_feedback: bool | None = None,
                  timeout_seconds: float | None = None, warmup_steps: int = 0,
                  measure_error: bool = True, exchange: str = "auto", guard: bool = False,
-                 jit_compile: bool = True, name: str | None = None, **compressor_settings):
+                 jit_compile: bool = True, sparse_as_dense: bool = False,
+                 name: str | None = None, **compressor_settings):
         if compressor_settings:
             raise TypeError(_unexpected(compression, sorted(compressor_settings)))
         if name is not None and not isinstance(name, str):
@@ -97,7 +105,7 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
         check_settings(error_feedback=error_feedback, bucket_bytes=bucket_bytes,
                        algorithm=algorithm, exchange=exchange, timeout_seconds=timeout_seconds,
                        warmup_steps=warmup_steps, measure_error=measure_error, guard=guard,
-                       jit_compile=jit_compile)
+                       jit_compile=jit_compile, sparse_as_dense=sparse_as_dense)
         # Numpy's booleans pass the checks; Python's are kept.
         if error_feedback is not None:
             error_feedback = bool(error_feedback)
@@ -111,6 +119,7 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
         self._exchange = exchange
         self._bucket_bytes = bucket_bytes
         self._jit_compile = jit_compile
+        self._sparse_as_dense = bool(sparse_as_dense)
         # Every variable (compressor state, counters) lives in one tracked SyncState, so
         # checkpointing these ops (directly, or through `track_state(model, ops)`) saves it.
         self._state = SyncState()
@@ -158,6 +167,10 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
     @property
     def jit_compile(self) -> bool:
         return self._pipeline.jit_compile
+
+    @property
+    def sparse_as_dense(self) -> bool:
+        return self._sparse_as_dense
 
     @property
     def timeout_seconds(self) -> float | None:
@@ -231,7 +244,7 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
         # Everything that shapes the exchanges: workers check that theirs agree by it.
         return (f"CompressedAllReduce({self._compressor!r}, bucket_bytes={self._bucket_bytes}, "
                 f"algorithm={self._algorithm!r}, exchange={self._exchange!r}, "
-                f"jit_compile={self._jit_compile})")
+                f"jit_compile={self._jit_compile}, sparse_as_dense={self._sparse_as_dense})")
 
     # ------------------------------------------------------------ CrossDeviceOps
     def reduce_implementation(self, reduce_op, per_replica_value, destinations, options):
@@ -247,6 +260,8 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
         compress = not _tf_compat.reducing_activations()
         pairs = list(value_destination_pairs)
         if compress:
+            if self._sparse_as_dense:
+                pairs = [(_densified(value), dest) for value, dest in pairs]
             pairs = _with_variable_shapes(pairs)
         if self._exact_ops is None:
             return self._run(reduce_op, pairs, options, compress)
@@ -401,6 +416,22 @@ def _with_variable_shapes(pairs: list) -> list:
         # A value reduced onto itself (Keras 3) goes onto itself still.
         out[i] = (shaped, shaped if dest is value else dest)
     return out
+
+
+def _densified(value):
+    """An embedding gradient (per-replica IndexedSlices) as each replica's dense
+    gradient, summed on its own device; other values as they are. Its leading dimension
+    is the table's when it runs (`_with_variable_shapes` then gives the static one)."""
+    v = _tf_compat.to_per_replica(value)
+    if not isinstance(v.values[0], tf.IndexedSlices):
+        return value
+    parts = []
+    for s in v.values:
+        with tf.device(s.values.device):
+            dense = tf.math.unsorted_segment_sum(s.values, s.indices, s.dense_shape[0])
+            known = tf.get_static_value(s.dense_shape)
+            parts.append(dense if known is None else tf.ensure_shape(dense, known))
+    return _tf_compat.per_replica(parts)
 
 
 def _first(value):

@@ -64,6 +64,8 @@ flags.DEFINE_bool("calibrate", False, "Measure the compressors' data paths (and 
 flags.DEFINE_integer("batch", 32, "Examples per worker and step: --calibrate's, and the "
                      "embedding lookups priced.",
                      flag_values=FLAGS)
+flags.DEFINE_bool("sparse_as_dense", False, "Price embedding tables as dense gradients, "
+                  "as CompressedAllReduce(sparse_as_dense=True) sends them.", flag_values=FLAGS)
 flags.DEFINE_integer("bucket_bytes", DEFAULT_BUCKET_BYTES, "CompressedAllReduce's bucket_bytes.",
                      flag_values=FLAGS)
 flags.DEFINE_float("overlap", 0.0, "Share of compute exchanges hide behind, in [0, 1].",
@@ -89,13 +91,20 @@ class Lookups:
     """An embedding table's gradient per worker and step: `rows` looked-up rows (IndexedSlices,
     duplicates included) of `width` entries of `dtype`, indices of `index_dtype`;
     `per_example` None where the model does not fix its lookups (one per example
-    assumed)."""
+    assumed); the table has `table_rows` rows (its whole gradient under
+    `sparse_as_dense`)."""
     name: str
     rows: int
     width: int
     dtype: object
     index_dtype: object
     per_example: int | None
+    table_rows: int = 0
+
+    @property
+    def table(self) -> tuple:
+        """The table's `(shape, dtype)`, as a dense gradient's spec."""
+        return (self.table_rows, self.width), self.dtype
 
 
 def gradients_of(model: str | None, params: int | None, batch: int = 32
@@ -147,7 +156,7 @@ def _lookups(layer, batch: int) -> Lookups:
              else tf.int32)
     table = layer.embeddings
     return Lookups(layer.name, batch * (per_example or 1), int(table.shape[-1]),
-                   tf.as_dtype(table.dtype), index, per_example)
+                   tf.as_dtype(table.dtype), index, per_example, int(table.shape[0]))
 
 
 def bert_large_specs(layers: int = 24, width: int = 1024, vocab: int = 30522,
@@ -247,7 +256,8 @@ def plan(specs, compressors: Sequence[str], workers: Sequence[int], bandwidths: 
          compute_s: float, latency_s: float = 50e-6, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
          overlap: float = 0.0, throughput: dict[str, float] | None = None,
          call_s: dict[str, float] | None = None, devices: int = 1,
-         local_link=None, lookups: Sequence[Lookups] = ()) -> list[dict]:
+         local_link=None, lookups: Sequence[Lookups] = (),
+         sparse_as_dense: bool = False) -> list[dict]:
     """One row per (workers, bandwidth, compressor, exchange), as in `COLUMNS`.
 
     `predicted_speedup` is `none`'s fastest exchange over this row's step, for the
@@ -274,6 +284,8 @@ def plan(specs, compressors: Sequence[str], workers: Sequence[int], bandwidths: 
         `LOCAL_LATENCY_US`, `LOCAL_BANDWIDTH`).
       lookups: the embedding tables' lookups per worker and step (`gradients_of`),
         shared among its devices.
+      sparse_as_dense: price the tables as dense gradients (`CompressedAllReduce`'s
+        setting) but for specs that set it themselves.
 
     Raises:
       ValueError: for a bad compressor, rate or setting (naming it and the choices).
@@ -287,15 +299,12 @@ def plan(specs, compressors: Sequence[str], workers: Sequence[int], bandwidths: 
     links = [(b, Link(latency_s, parse_bandwidth(b))) for b in bandwidths]
     # A spec's own settings of the ops (`topk:bucket_bytes=...:exchange=two_phase`) are
     # priced as they would run, over the flags'.
-    built = {spec: ops_from_spec(spec, bucket_bytes=bucket_bytes)
+    built = {spec: ops_from_spec(spec, bucket_bytes=bucket_bytes,
+                                 sparse_as_dense=sparse_as_dense)
              for spec in dict.fromkeys(["none", *compressors])}
     rows = []
     for n in workers:
-        payloads = {s: costmodel.model_payloads(ops.compressor, specs, ops.bucket_bytes,
-                                                n * devices)
-                    + [costmodel.sparse_payload(ops.compressor, -(-t.rows // devices), t.width,
-                                                t.dtype, t.index_dtype) for t in lookups]
-                    for s, ops in built.items()}
+        payloads = {s: _payloads(ops, specs, lookups, n, devices) for s, ops in built.items()}
         for band, link in links:
             # One worker's devices are the members, on the link between them.
             members, local, wire = (devices, 1, local_link) if n == 1 else (n, devices, link)
@@ -319,6 +328,19 @@ def plan(specs, compressors: Sequence[str], workers: Sequence[int], bandwidths: 
                 r["predicted_speedup"] = base / r["predicted_step_s"]
             rows += [r for r in group if r["compressor"] != "none" or "none" in compressors]
     return rows
+
+
+def _payloads(ops, specs, lookups: Sequence[Lookups], workers: int, devices: int) -> list:
+    """The payloads `ops` send per step for these dense gradients and tables' lookups
+    (or, densified by the ops, their tables)."""
+    from tf_gradsync import costmodel  # pylint: disable=import-outside-toplevel
+    if ops.sparse_as_dense:
+        tables = [t.table for t in lookups]
+        return costmodel.model_payloads(ops.compressor, tables + list(specs), ops.bucket_bytes,
+                                        workers * devices)
+    return (costmodel.model_payloads(ops.compressor, specs, ops.bucket_bytes, workers * devices)
+            + [costmodel.sparse_payload(ops.compressor, -(-t.rows // devices), t.width,
+                                        t.dtype, t.index_dtype) for t in lookups])
 
 
 def _positive_ints(name: str, values: Sequence[str]) -> list[int]:
@@ -394,7 +416,8 @@ def main(argv: Sequence[str]) -> None:
         local_link = Link(FLAGS.local_latency_us * 1e-6, local_rate)
         rows = plan(specs, names, workers, list(dict.fromkeys(FLAGS.bandwidth)), compute_s,
                     FLAGS.latency_us * 1e-6, FLAGS.bucket_bytes, FLAGS.overlap, throughput,
-                    calls, FLAGS.devices_per_worker, local_link, lookups)
+                    calls, FLAGS.devices_per_worker, local_link, lookups,
+                    FLAGS.sparse_as_dense)
     except ValueError as e:
         sys.exit(f"plan: {e}")
     params = sum(math.prod(s) for s, _ in specs)
@@ -403,9 +426,12 @@ def main(argv: Sequence[str]) -> None:
     print(f"{params:,} weights in {len(specs)} tensors; compute {compute_s:.4g} s per step; "
           f"latency {FLAGS.latency_us:g} us; bucket_bytes {FLAGS.bucket_bytes}; overlap "
           f"{FLAGS.overlap:g}; codec throughput: {source}")
-    if lookups:
+    if lookups and FLAGS.sparse_as_dense:
+        print(f"(and {len(lookups)} embedding tables, priced as dense gradients: "
+              "--sparse_as_dense)")
+    elif lookups:
         print(f"(and {len(lookups)} embedding tables, priced as the rows they look up:)")
-    for t in lookups:
+    for t in lookups if not FLAGS.sparse_as_dense else ():
         fixed = (f"{t.per_example} per example" if t.per_example else
                  "1 per example assumed: the model does not fix its input length")
         print(f"embedding {t.name} ({t.width} wide): its gradient is the rows looked up, "

@@ -24,9 +24,9 @@ def keep_freed_buffers() -> bool:
 
 def ops_from_spec(spec: str, **ops_kwargs):
     """Builds a `CompressedAllReduce` from `name` or `name:key=value:...` (values parsed as
-    YAML); the keys `error_feedback`, `warmup_steps`, `exchange`, `guard`, `bucket_bytes` and
-    `jit_compile` go to `CompressedAllReduce`, the others to the compressor (e.g.
-    `powersgd:rank=8:start_iter=0`, `sign:exchange=two_phase`).
+    YAML); the keys `error_feedback`, `warmup_steps`, `exchange`, `guard`, `bucket_bytes`,
+    `jit_compile` and `sparse_as_dense` go to `CompressedAllReduce`, the others to the
+    compressor (e.g. `powersgd:rank=8:start_iter=0`, `sign:exchange=two_phase`).
 
     Args:
       spec: the compressor and its arguments.
@@ -61,7 +61,7 @@ def check_specs(specs, skip=()) -> None:
 
 #: Keys of a spec that go to `CompressedAllReduce` rather than to the compressor.
 OPS_KEYS = ("error_feedback", "warmup_steps", "exchange", "guard", "bucket_bytes",
-            "jit_compile")
+            "jit_compile", "sparse_as_dense")
 
 
 def split_spec(spec: str) -> tuple[str, dict, dict]:

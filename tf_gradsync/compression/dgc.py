@@ -149,7 +149,9 @@ class DGC(_sparse.SparseDecoding, Compressor):
             "get none, and the optimizer may apply none of its own (dgc refuses it), so "
             "the embeddings train without momentum (an Embedding + Dense model on digits "
             "reached 0.41 against 0.87 uncompressed): for models with embeddings, use "
-            "topk, whose adapted optimizer scales the rate of every variable")
+            "topk, whose adapted optimizer scales the rate of every variable, or "
+            "CompressedAllReduce(sparse_as_dense=True), which hands dgc the tables' "
+            "gradients densified")
 
     def _warn_once(self, key: str, message: str) -> None:
         """Warns `message` the first time `key` comes, while DGC applies momentum."""
