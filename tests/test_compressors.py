@@ -754,6 +754,8 @@ def test_dgc_adapts_sgd_to_train_without_its_momentum():
 @pytest.mark.parametrize("optimizer,adaptive", [
     (tf.keras.optimizers.Adam(), True), (tf.keras.optimizers.AdamW(), True),
     (tf.keras.optimizers.RMSprop(), True), (tf.keras.optimizers.Adagrad(), True),
+    (tf.keras.optimizers.Adafactor(), True), (tf.keras.optimizers.Ftrl(), True),
+    (tf.keras.optimizers.Ftrl(learning_rate_power=-1.0), False),
     (tf.keras.optimizers.SGD(0.1, momentum=0.9), False), (tf.keras.optimizers.Lion(), False),
     (_Optimizer(), False)])
 def test_learning_rate_scale_by_optimizer(optimizer, adaptive):
@@ -923,6 +925,84 @@ def test_a_loss_scale_wrapper_is_seen_through():
             ops.compressor.check_optimizer(adapted)
             ops.compressor.check_optimizer(lso(adapted.inner_optimizer))
     assert gs.CompressedAllReduce("int8").adapt_optimizer(sgdm) is sgdm
+
+
+def test_adapting_again_changes_nothing_and_another_compressors_adaptation_is_refused():
+    """An optimizer adapted once is returned as it is (its rate scaled twice, AdamW's
+    decay divided twice, was silent); adapted for another compressor, refused, since
+    adaptations do not compose."""
+    ops = gs.CompressedAllReduce("topk")
+    adapted = ops.adapt_optimizer(tf.keras.optimizers.AdamW(1e-3, weight_decay=0.01))
+    assert ops.adapt_optimizer(adapted) is adapted
+    assert gs.CompressedAllReduce("topk").adapt_optimizer(adapted) is adapted   # same settings
+    with pytest.raises(ValueError, match=r"AdamW was adapted for ErrorFeedback\(inner=TopK\("
+                                         r"ratio=0.01\)\) already \(4.64x its rate\).*Sign"):
+        gs.CompressedAllReduce("sign").adapt_optimizer(adapted)
+    scaled = tf.keras.mixed_precision.LossScaleOptimizer(tf.keras.optimizers.Adam(1e-3))
+    wrapped = ops.adapt_optimizer(scaled)
+    assert ops.adapt_optimizer(wrapped) is wrapped
+    assert wrapped.inner_optimizer.get_config()["learning_rate"] == pytest.approx(
+        1e-3 * 100 ** (1 / 3))
+
+
+def test_adapting_an_optimizer_that_has_taken_steps_says_they_are_lost():
+    """The adapted copy starts at step 0 with empty slots: a schedule would restart."""
+    sgd = tf.keras.optimizers.SGD(0.05, momentum=0.9)
+    v = tf.Variable([1.0, 2.0])
+    sgd.apply_gradients([(tf.constant([0.1, 0.1]), v)])
+    with pytest.warns(UserWarning, match="the 1 steps this one has taken do not carry over"):
+        gs.CompressedAllReduce("topk").adapt_optimizer(sgd)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gs.CompressedAllReduce("topk").adapt_optimizer(tf.keras.optimizers.SGD(0.05, momentum=0.9))
+
+
+def test_a_rate_written_after_adapting_is_warned_of():
+    """A checkpoint of an uncompressed run restored into an adapted optimizer writes its
+    rate variable (the momentum stays off), as does a callback that sets rates: the
+    optimizer then trains at neither setting."""
+    ops = gs.CompressedAllReduce("topk")
+    adapted = ops.adapt_optimizer(tf.keras.optimizers.SGD(0.05, momentum=0.9))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        C.base.check_adapted_rate(adapted)
+    plain = tf.keras.optimizers.SGD(0.05, momentum=0.9)
+    v = tf.Variable([1.0])
+    plain.build([v])
+    adapted.build([v])
+    adapted.learning_rate.assign(plain.learning_rate)   # what a restore writes
+    with pytest.warns(C.OptimizerAdvice, match=r"SGD was adapted for ErrorFeedback\(inner=TopK"
+                                               r".* to learning rate 0.5 \(10x its own\) but trains "
+                                               r"at 0.05 \(momentum=0.0 kept\): a checkpoint"):
+        C.base.check_adapted_rate(adapted)
+    # A schedule is no variable a restore writes: nothing to check.
+    schedule = ops.adapt_optimizer(tf.keras.optimizers.Adam(
+        tf.keras.optimizers.schedules.ExponentialDecay(1e-3, 100, 0.9)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        C.base.check_adapted_rate(schedule)
+
+
+def test_a_warm_up_under_an_adapted_rate_is_warned_of():
+    """The warm-up's dense steps train at the rate raised for the payload's bursts; a
+    piecewise schedule before adapting gives the uncompressed rate until it ends."""
+    ops = gs.CompressedAllReduce("topk", warmup_steps=10)
+    with pytest.warns(C.OptimizerAdvice, match=r"warmup_steps=10: the warm-up's dense gradients "
+                                               r"train with Adam .* at 4.64x its rate.*"
+                                               r"PiecewiseConstantDecay\(\[10\], \[rate / 4.642"):
+        ops.compressor.check_optimizer(ops.adapt_optimizer(tf.keras.optimizers.Adam(1e-3)))
+    factor = ops.learning_rate_scale("adam")
+    stepped = ops.adapt_optimizer(tf.keras.optimizers.Adam(
+        tf.keras.optimizers.schedules.PiecewiseConstantDecay([10], [1e-3 / factor, 1e-3])))
+    rate = stepped.learning_rate     # the schedule's value at the current step (0)
+    assert float(rate) == pytest.approx(1e-3)
+    assert float(stepped._learning_rate(10)) == pytest.approx(1e-3)
+    assert float(stepped._learning_rate(11)) == pytest.approx(1e-3 * factor)
+    # SGD's adaptation trains dense gradients at the momentum's long-run step: no warning.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ops.compressor.check_optimizer(ops.adapt_optimizer(
+            tf.keras.optimizers.SGD(0.05, momentum=0.9)))
 
 
 def test_adapt_optimizer_keeps_the_weight_decay_per_step():

@@ -1,5 +1,7 @@
 """End-to-end training through CompressedAllReduce: Keras 3, tf_keras, custom loops."""
 
+import warnings
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -373,3 +375,41 @@ def test_sparse_as_dense_compresses_embedding_gradients(keras_version):
     for got in (gathered, dense):
         np.testing.assert_allclose(np.array(got[3:], float), np.array(reference[3:], float),
                                    atol=2e-3)
+
+
+def test_fit_says_when_a_restore_or_a_callback_replaced_the_adapted_rate(devices, tmp_path):
+    """Restoring a checkpoint of an uncompressed run into an adapted optimizer writes its
+    rate (the first moment stays off), as does LearningRateScheduler: the first step
+    says so."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 6)).astype(np.float32)
+    y = rng.normal(size=(64, 3)).astype(np.float32)
+
+    def build(ops, optimizer):
+        strategy = tf.distribute.MirroredStrategy(devices[:2], cross_device_ops=ops)
+        with strategy.scope():
+            model = tf.keras.Sequential([tf.keras.Input((6,)), tf.keras.layers.Dense(3)])
+            model.compile(optimizer(ops), "mse")
+        return model
+
+    def adapted(ops):
+        return ops.adapt_optimizer(tf.keras.optimizers.Adam(1e-3))
+
+    plain = build(gs.CompressedAllReduce("none"), adapted)     # nothing to adapt
+    plain.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    plain.save_weights(str(tmp_path / "plain.weights.h5"))
+    resumed = build(gs.CompressedAllReduce("topk"), adapted)
+    with resumed.distribute_strategy.scope():
+        resumed.optimizer.build(resumed.trainable_variables)
+    resumed.load_weights(str(tmp_path / "plain.weights.h5"))
+    with pytest.warns(gs.compression.OptimizerAdvice, match=r"to learning rate 0.004642 .* but "
+                                                            r"trains at 0.001 \(beta_1=0.0 kept"):
+        resumed.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    scheduled = build(gs.CompressedAllReduce("topk"), adapted)
+    with pytest.warns(gs.compression.OptimizerAdvice, match="but trains at 0.02"):
+        scheduled.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[
+            tf.keras.callbacks.LearningRateScheduler(lambda epoch: 0.02)])
+    untouched = build(gs.CompressedAllReduce("topk"), adapted)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", gs.compression.OptimizerAdvice)
+        untouched.fit(x, y, batch_size=16, epochs=1, verbose=0)

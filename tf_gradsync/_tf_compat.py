@@ -333,3 +333,14 @@ def copy_weight_decay_exclusions(source, target) -> None:
     for name, value in vars(source).items():
         if name.startswith("_exclude_from_weight_decay") and not name.endswith("_cache"):
             setattr(target, name, copy.copy(value))
+
+
+def optimizer_steps(optimizer) -> int:
+    """The steps a Keras optimizer has taken (its iteration counter, read where it runs
+    eagerly); 0 where it has none yet (tf_keras' legacy optimizers create it on first
+    read, which this avoids)."""
+    counter = getattr(optimizer, "_iterations", None)
+    if counter is None:
+        return 0
+    with tf.init_scope():
+        return int(counter.numpy())

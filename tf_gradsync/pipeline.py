@@ -27,7 +27,7 @@ from tf_gradsync.algorithms import Wire
 from tf_gradsync.bucketing import Bucket, BucketPlan, plan_buckets
 from tf_gradsync.compression import (SCATTER, Compressor, Context, Message, NoCompression,
                                      driver, two_phase)
-from tf_gradsync.compression.base import nbytes, replica_id
+from tf_gradsync.compression.base import check_adapted_rate, nbytes, replica_id
 from tf_gradsync.state import SyncState
 from tf_gradsync.stats import Stats
 
@@ -129,6 +129,7 @@ class Pipeline:
         if groups["compressed"]:
             if optimizer is not None:
                 self.compressor.check_optimizer(optimizer)
+                check_adapted_rate(optimizer)
             else:
                 self.compressor.optimizer_unseen()
         if compress and groups["sparse"]:

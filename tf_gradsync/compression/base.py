@@ -633,6 +633,14 @@ class Compressor(abc.ABC):
         """
         if isinstance(optimizer, str):
             optimizer = tf.keras.optimizers.get(optimizer)
+        mark = adaptation(optimizer)
+        if mark is not None:
+            if mark.by == repr(self):
+                return optimizer      # adapting twice would scale the rate twice
+            raise ValueError(
+                f"{type(applying_optimizer(optimizer)).__name__} was adapted for {mark.by} "
+                f"already ({mark.factor:.3g}x its rate): adaptations do not compose; adapt "
+                f"the optimizer as it trains uncompressed for {self!r}")
         inner = getattr(optimizer, "inner_optimizer", None)
         if inner is not None:
             # A loss-scale wrapper (mixed precision): its inner optimizer adapted and
@@ -642,9 +650,7 @@ class Compressor(abc.ABC):
                 return optimizer
             settings = dict(optimizer.get_config())
             settings.pop("inner_optimizer")
-            wrapped = type(optimizer)(adapted, **settings)
-            setattr(wrapped, _ADAPTED, True)
-            return wrapped
+            return type(optimizer)(adapted, **settings)
         factor, changes = self._optimizer_changes(optimizer)
         adapted = optimizer
         if factor != 1 or changes:
@@ -667,7 +673,9 @@ class Compressor(abc.ABC):
                     f"({type(e).__name__}: {e}): if get_config leaves a constructor "
                     "argument out, return it there, or make these changes yourself") from e
             _tf_compat.copy_weight_decay_exclusions(optimizer, adapted)
-            setattr(adapted, _ADAPTED, True)
+            setattr(adapted, _ADAPTED, Adaptation(repr(self), factor, changes,
+                                                  lr if _number(lr) else None))
+            _warn_steps_lost(optimizer)
         # What the first step would refuse (dgc under Adam) is refused here, before a
         # model is built around it.
         self.check_optimizer(adapted)
@@ -720,11 +728,9 @@ class Compressor(abc.ABC):
         whether the user's settings already account for the compressor.
         """
         factor, changes = self._optimizer_changes(optimizer)
-        if (factor != 1 or changes) and not getattr(applying_optimizer(optimizer), _ADAPTED,
-                                                    False):
+        if (factor != 1 or changes) and adaptation(optimizer) is None:
             what = ", ".join([f"{factor:.3g}x the learning rate"] * (factor != 1) +
-                             [f"{k}={v:.3g}" if isinstance(v, float) and v else f"{k}={v}"
-                              for k, v in changes.items()])
+                             [_described(changes)] * bool(changes))
             k = self.send_interval()
             slows = ("an optimizer dividing by a running root mean square slows and a "
                      "momentum delays further" if divides_by_rms(applying_optimizer(optimizer))
@@ -881,8 +887,64 @@ def _positive(value: Any) -> bool:
     return _number(value) and value > 0
 
 
-#: Attribute `Compressor.adapt_optimizer` sets on the optimizers it builds.
+#: Attribute `Compressor.adapt_optimizer` sets on the optimizers it builds: an `Adaptation`.
 _ADAPTED = "_tf_gradsync_adapted"
+
+
+@dataclasses.dataclass(frozen=True)
+class Adaptation:
+    """What `Compressor.adapt_optimizer` did to an optimizer: for which compressor (`by`,
+    its repr), the learning-rate `factor`, the other config `changes`, and the rate it
+    set where the rate is a number (None for a schedule)."""
+    by: str
+    factor: float
+    changes: dict
+    learning_rate: float | None
+
+
+def adaptation(optimizer: Any) -> Adaptation | None:
+    """What `adapt_optimizer` did to `optimizer` (the one computing the update, inside a
+    loss-scale wrapper), or None for an optimizer it did not build."""
+    return getattr(applying_optimizer(optimizer), _ADAPTED, None)
+
+
+def _warn_steps_lost(optimizer: Any) -> None:
+    """Warns that `optimizer`'s steps do not carry over to the copy adapted from it."""
+    steps = _tf_compat.optimizer_steps(optimizer)
+    if steps:
+        warnings.warn(
+            f"adapt_optimizer builds a new {type(optimizer).__name__}: the {steps} steps this "
+            "one has taken do not carry over (its iterations, which learning-rate schedules "
+            "read, restart at 0, and its slots, momentum or moments, start empty); adapt "
+            "the optimizer before training or restoring a checkpoint", stacklevel=3)
+
+
+def check_adapted_rate(optimizer: Any) -> None:
+    """Warns when an optimizer `adapt_optimizer` built trains at another rate than the one
+    it set, with the rest of the adaptation (momentum off) in place: a checkpoint of a
+    run without the adaptation restored into it, or a callback that sets absolute rates
+    (`LearningRateScheduler`), wrote the rate variable. Called when a step is traced,
+    with the rate it starts from."""
+    mark = adaptation(optimizer)
+    if mark is None or mark.learning_rate is None:
+        return
+    rate = optimizer_config(optimizer).get("learning_rate")
+    if _number(rate) and not math.isclose(rate, mark.learning_rate, rel_tol=1e-5):
+        kept = f" ({_described(mark.changes)} kept)" if mark.changes else ""
+        warnings.warn(OptimizerAdvice(
+            f"{type(applying_optimizer(optimizer)).__name__} was adapted for {mark.by} to "
+            f"learning rate {mark.learning_rate:.4g} ({mark.factor:.3g}x its own) but trains "
+            f"at {rate:.4g}{kept}: a checkpoint of a run without the adaptation restored "
+            "after it, or a callback that sets rates (LearningRateScheduler), wrote the "
+            f"rate. Set rates {mark.factor:.3g}x what they are uncompressed "
+            "(optimizer.learning_rate after a restore, the schedule of the callback)"),
+            stacklevel=2)
+
+
+def _described(changes: dict) -> str:
+    """Config changes as `name=value, ...`."""
+    return ", ".join(f"{k}={v:.3g}" if isinstance(v, float) and v else f"{k}={v}"
+                     for k, v in changes.items())
 
 
 def applying_optimizer(optimizer: Any) -> Any:
@@ -924,11 +986,15 @@ def divides_by_rms(optimizer: Any) -> bool:
     gradients (Adam, AdamW, Nadam, Adamax, Lamb, RMSprop, Adagrad, Adadelta).
 
     Told by its config: a mean-square setting next to the `epsilon` that guards the
-    division (Lion has a beta_2 but no division, so no epsilon)."""
+    division (Lion has a beta_2 but no division, so no epsilon); Adafactor's factored
+    mean square (`beta_2_decay`, `epsilon_1`); Ftrl's accumulator under its default
+    `learning_rate_power` of -0.5 (a square root)."""
     if isinstance(optimizer, str):
         optimizer = tf.keras.optimizers.get(optimizer)
     config = optimizer_config(optimizer)
-    return "epsilon" in config and any(k in config for k in _MEAN_SQUARE)
+    return (("epsilon" in config and any(k in config for k in _MEAN_SQUARE))
+            or ("epsilon_1" in config and "beta_2_decay" in config)
+            or config.get("learning_rate_power") == -0.5)
 
 
 def nbytes(tensors: Sequence[tf.Tensor]) -> int:

@@ -15,9 +15,10 @@ from typing import Any, Iterable, Mapping
 import tensorflow as tf
 
 from tf_gradsync.compression import _util
-from tf_gradsync.compression.base import (SUM, Compressor, Context, Layout, Message, Rounds,
-                                          optimizer_momentum,
-                                          StateSpec, Wrapper, get)
+from tf_gradsync.compression.base import (SUM, Compressor, Context, Layout, Message,
+                                          OptimizerAdvice, Rounds, StateSpec, Wrapper,
+                                          adaptation, applying_optimizer, get,
+                                          optimizer_momentum)
 
 
 class Warmup(Wrapper):
@@ -61,9 +62,23 @@ class Warmup(Wrapper):
         moving a trained model to a payload that delays most entries cost the digits
         MLP up to 24 points for several epochs there (BENCHMARKS.md), where the same
         payload from the first step did not. Where `adapt_optimizer` takes the momentum
-        off (the advice `Compressor.check_optimizer` gives), that advice covers it."""
+        off (the advice `Compressor.check_optimizer` gives), that advice covers it.
+
+        Warns too when the optimizer was adapted with a rate raised for an optimizer
+        that divides by a root mean square: the warm-up's dense gradients then train
+        at that rate, meant for the payload's bursts (`learning_rate_scale`)."""
         name, momentum = optimizer_momentum(optimizer)
         _, changes = self._optimizer_changes(optimizer)
+        rms_factor = self.inner.learning_rate_scale(applying_optimizer(optimizer))
+        if self.steps and rms_factor > 1 and adaptation(optimizer) is not None:
+            warnings.warn(OptimizerAdvice(
+                f"warmup_steps={self.steps}: the warm-up's dense gradients train with "
+                f"{type(applying_optimizer(optimizer)).__name__} adapted for {self.inner!r}, "
+                f"at {rms_factor:.3g}x its rate (raised for the payload's bursts, which dense "
+                "gradients do not have). For the uncompressed rate during the warm-up, give "
+                "the optimizer a schedule before adapting it, keras.optimizers.schedules."
+                f"PiecewiseConstantDecay([{self.steps}], [rate / {rms_factor:.4g}, rate]): "
+                "adapt_optimizer scales every rate of a schedule"), stacklevel=2)
         if (self.steps and name == "momentum" and momentum and self.inner.send_interval() > 1
                 and "momentum" not in changes):
             warnings.warn(
