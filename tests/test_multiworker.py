@@ -171,6 +171,37 @@ def test_a_stuck_peer_fails_fit_within_the_ops_timeout(tmp_path):
     assert result[-1][2] == "DeadlineExceededError", out[-3000:]
 
 
+_ALONE = """
+import sys, time
+import tf_gradsync as gs
+start = time.monotonic()
+try:
+    gs.MultiWorkerMirroredStrategy(startup_timeout_seconds=3)
+    print("RESULT started", flush=True)
+except TimeoutError as e:
+    print("RESULT raised", round(time.monotonic() - start, 1), e, flush=True)
+"""
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_worker_that_never_starts_fails_the_others_at_startup(rank):
+    """A task of the cluster that never starts left the others waiting at the strategy's
+    creation without end or output (TensorFlow's coordination service, before any
+    collective with a timeout): `startup_timeout_seconds` bounds the wait, on the
+    leader (task 0) and on the others alike, naming it."""
+    from tf_gradsync import launch as launcher
+    cluster = [f"127.0.0.1:{p}" for p in launcher.free_ports(2)]
+    env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2",
+               TF_CONFIG=json.dumps({"cluster": {"worker": cluster},
+                                     "task": {"type": "worker", "index": rank}}))
+    out = subprocess.run([sys.executable, "-c", _ALONE], env=env, capture_output=True,
+                         text=True, timeout=120).stdout
+    (result,) = [l.split(maxsplit=3) for l in out.splitlines() if l.startswith("RESULT")]
+    assert result[1] == "raised", out[-3000:]
+    assert f"worker {rank}: the cluster's 2 tasks did not all start and join within " \
+           "startup_timeout_seconds=3" in result[3]
+
+
 #: Summed (hierarchical: shards between workers), gathered, and two-phase payloads;
 #: PowerSGD sums two rounds.
 HIERARCHICAL_MODES = ("fp16:auto", "powersgd:auto", "sign:gather", "sign:two_phase",

@@ -145,6 +145,8 @@ CASES = [
     case("mwms-options",
          lambda: gs.MultiWorkerMirroredStrategy(communication_options={"timeout_seconds": 5}),
          "{'timeout_seconds': 5}", "CommunicationOptions or None"),
+    case("mwms-startup", lambda: gs.MultiWorkerMirroredStrategy(startup_timeout_seconds=0),
+         "got 0", "positive, finite number of seconds or None"),
     # ------------------------------------------------------------ callbacks
     case("monitor-log-keys", lambda: CommunicationMonitor(OPS, log_keys=["bytes", "comm_bytes"]),
          "['bytes']", "comm_bytes, comm_bytes_dense"),
@@ -275,6 +277,8 @@ TF_CONFIGS = [
      ["got {}", "chief, worker, ps, evaluator"]),
     ('{"cluster": {"chief": ["a:1", "b:1"], "worker": ["h:1"]}, "task": {"type": "worker", '
      '"index": 0}}', ["['a:1', 'b:1']", "at most one chief"]),
+    ('{"cluster": {"chief": ["h:1"], "worker": ["h:2", "h:1"]}, "task": {"type": "worker", '
+     '"index": 0}}', ["chief 0 and worker 1 one address, 'h:1'", "its own port"]),
 ]
 
 

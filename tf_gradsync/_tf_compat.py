@@ -344,3 +344,34 @@ def optimizer_steps(optimizer) -> int:
         return 0
     with tf.init_scope():
         return int(counter.numpy())
+
+
+def bound_cluster_startup(cluster_resolver, timeout_seconds: float) -> bool:
+    """Configures TensorFlow's coordination service as `MultiWorkerMirroredStrategy`
+    would (the same leader and jobs), with every task waiting at most `timeout_seconds`
+    for all tasks of the cluster to register: TensorFlow's own waits without a bound
+    for a task that never starts. Leaves a service the user configured alone.
+
+    Returns:
+      Whether the bound was set.
+    """
+    from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2  # pylint: disable=import-outside-toplevel
+    from tensorflow.python.distribute import multi_worker_util  # pylint: disable=import-outside-toplevel
+    from tensorflow.python.eager import context  # pylint: disable=import-outside-toplevel
+    ctx = context.context()
+    spec = cluster_resolver.cluster_spec()
+    jobs = [j for j in ("chief", "worker") if j in spec.jobs]
+    if (ctx.coordination_service is not None or not jobs
+            or cluster_resolver.task_type not in jobs
+            or not tf.executing_eagerly()):
+        return False
+    ctx.configure_coordination_service(
+        service_type="standalone",
+        service_leader=multi_worker_util.coordination_leader(spec),
+        coordinated_jobs=[coordination_config_pb2.CoordinatedJob(
+            name=j, num_tasks=spec.num_tasks(j)) for j in jobs],
+        cluster_register_timeout_in_ms=max(1, int(timeout_seconds * 1000)))
+    # Without the barrier only the leader's registration is bounded; with it every task
+    # waits for all the others at most that long.
+    ctx.coordination_service.cluster_register_with_barrier = True
+    return True

@@ -31,6 +31,11 @@ from tf_gradsync.cross_device_ops import CompressedAllReduce
 # The public name is a factory; the class of what it returns is private.
 _COMMUNICATION_OPTIONS = type(tf.distribute.experimental.CommunicationOptions())
 
+#: How long a task waits for the cluster's others to start, by default: ample for tasks
+#: scheduled at different times (containers pulling images), bounded where TensorFlow
+#: waits without end.
+STARTUP_TIMEOUT_S = 900.0
+
 
 class MultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
     """Synchronous multi-worker training with compressed, bucketed gradient all-reduce.
@@ -44,12 +49,19 @@ class MultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
         `timeout_seconds` bounds how long a collective waits for a dead peer. Without
         one, the `timeout_seconds` of `cross_device_ops` bounds TensorFlow's own
         collectives too (metrics, values not compressed).
+      startup_timeout_seconds: how long each task waits for every task of the cluster
+        to start and join (TensorFlow's coordination service; None: without a bound,
+        as TensorFlow waits). A worker that never starts fails the others then, each
+        naming the wait, instead of leaving them waiting with no output. Not applied
+        where the coordination service was configured already.
 
     Raises:
       ValueError: if `cross_device_ops` is not a `CompressedAllReduce`, an argument has
         the wrong type, (without `cluster_resolver`) the TF_CONFIG environment variable
         is malformed (see `check_tf_config`), or, on every worker, the workers were
         given other ops (one small exact all-reduce checks, with or without ops).
+      TimeoutError: when the cluster's tasks did not all join within
+        `startup_timeout_seconds`.
 
     Example:
       >>> strategy = tf_gradsync.MultiWorkerMirroredStrategy(
@@ -60,7 +72,8 @@ class MultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
     """
 
     def __init__(self, cross_device_ops: CompressedAllReduce | None = None,
-                 cluster_resolver=None, communication_options=None):
+                 cluster_resolver=None, communication_options=None,
+                 startup_timeout_seconds: float | None = STARTUP_TIMEOUT_S):
         if cross_device_ops is not None and not isinstance(cross_device_ops, CompressedAllReduce):
             raise ValueError(f"cross_device_ops must be a tf_gradsync.CompressedAllReduce or "
                              f"None, got {cross_device_ops!r}")
@@ -72,12 +85,31 @@ class MultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
                                                                  _COMMUNICATION_OPTIONS):
             raise ValueError(f"communication_options must be a tf.distribute.experimental."
                              f"CommunicationOptions or None, got {communication_options!r}")
+        if startup_timeout_seconds is not None and (
+                isinstance(startup_timeout_seconds, bool)
+                or not isinstance(startup_timeout_seconds, (int, float, np.number))
+                or not 0 < startup_timeout_seconds < float("inf")):
+            raise ValueError("startup_timeout_seconds must be a positive, finite number of "
+                             f"seconds or None, got {startup_timeout_seconds!r}")
         if cluster_resolver is None:
             # TensorFlow reads TF_CONFIG itself, deep inside cluster resolution: check it
             # first so that a typo gives a message about TF_CONFIG, not a stack trace.
             check_tf_config(os.environ.get("TF_CONFIG"))
-        super().__init__(cluster_resolver=cluster_resolver,
-                         communication_options=communication_options)
+            cluster_resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+        bounded = startup_timeout_seconds is not None and _tf_compat.bound_cluster_startup(
+            cluster_resolver, float(startup_timeout_seconds))
+        try:
+            super().__init__(cluster_resolver=cluster_resolver,
+                             communication_options=communication_options)
+        except tf.errors.DeadlineExceededError as e:
+            if not bounded:
+                raise
+            raise TimeoutError(
+                f"{cluster_resolver.task_type} {cluster_resolver.task_id}: the cluster's "
+                f"{_tasks(cluster_resolver)} tasks did not all start and join within "
+                f"startup_timeout_seconds={startup_timeout_seconds:g}; start every task with "
+                "the same cluster in TF_CONFIG, each reachable at its address (TensorFlow: "
+                f"{e.message.splitlines()[0]})") from None
         # TensorFlow's collective ops: they keep serving what is not compressed.
         self._exact_ops = _tf_compat.cross_device_ops_of(self)
         if cross_device_ops is not None:
@@ -190,7 +222,7 @@ def check_tf_config(raw: str | None) -> dict[str, Any] | None:
     Raises:
       ValueError: for text that is not a JSON object, a missing `cluster` or `task`,
         a cluster that does not map known task types to non-empty lists of "host:port"
-        addresses, or a task whose type is unknown or absent from the cluster or whose
+        addresses, one address given to two tasks, or a task whose type is unknown or absent from the cluster or whose
         index is out of range. The message names the bad value and what is allowed.
 
     Example:
@@ -230,6 +262,14 @@ def check_tf_config(raw: str | None) -> dict[str, Any] | None:
                              f"{addresses!r}; allowed: at most one chief")
         for address in addresses:
             _check_address(task_type, address)
+    # Two tasks at one address: one fails to start its server, the other waits for it.
+    seen: dict[str, str] = {}
+    for task_type, addresses in cluster.items():
+        for i, address in enumerate(addresses):
+            if address in seen:
+                raise ValueError(f"TF_CONFIG cluster gives {seen[address]} and {task_type} {i} "
+                                 f"one address, {address!r}; each task needs its own port")
+            seen[address] = f"{task_type} {i}"
     if not isinstance(task, dict):
         raise ValueError(f"TF_CONFIG 'task' must be an object with 'type' and 'index', "
                          f"got {task!r}")
@@ -252,3 +292,9 @@ def _check_address(task_type: str, address) -> None:
     if not (sep and host and port.isdigit() and 0 < int(port) < 65536):
         raise ValueError(f"TF_CONFIG cluster[{task_type!r}] has address {address!r}; allowed: "
                          "'host:port' with a port in 1..65535")
+
+
+def _tasks(cluster_resolver) -> int:
+    """How many chief and worker tasks the cluster has."""
+    spec = cluster_resolver.cluster_spec()
+    return sum(spec.num_tasks(j) for j in ("chief", "worker") if j in spec.jobs)
