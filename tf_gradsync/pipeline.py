@@ -273,6 +273,15 @@ class Pipeline:
                 "starts from initial values, and what a restore wrote stays with the other. "
                 "To resume, restore into the model and optimizer that trained, or %s.",
                 steps, drop)
+        elif self.state.waiting():
+            # State was restored, for other tensors, another compressor or bucket plan:
+            # checkpointing the ops (the advice below) was done.
+            logging.warning(
+                "tf_gradsync: an optimizer that has taken %d steps reduces through these "
+                "ops for the first time and the compression state restored is not for its "
+                "tensors under this compressor and bucket plan (a compressor or bucket_bytes "
+                "changed since the checkpoint?): error feedback, momentum and warm-ups start "
+                "over.", steps)
         else:
             logging.warning(
                 "tf_gradsync: an optimizer that has taken %d steps reduces through these "
