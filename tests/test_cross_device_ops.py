@@ -1033,3 +1033,43 @@ def test_values_without_devices_are_refused_rather_than_left_waiting(devices):
     (got,) = tf.function(lambda: ops.batch_reduce(SUM, [(value, value)]))()
     assert_close(got, tf.distribute.ReductionToOneDevice().batch_reduce(SUM, [(value, value)])[0],
                  tf.float16, scale=4.0)
+
+
+@pytest.mark.parametrize("name", ["sign", "topk", "int8"])
+def test_a_reduction_run_eagerly_matches_its_function(devices, name, monkeypatch):
+    """A step run eagerly (to debug it) reduces as its `tf.function` does, without
+    tracing and compiling the codecs anew at every call (TensorFlow's retracing
+    warning each step, seconds per call)."""
+    from tf_gradsync.compression import xla
+
+    class Traces:       # counts what `xla.call` traces (its depth set above 0)
+        count = 0
+
+        @property
+        def depth(self):
+            return self.__dict__.get("d", 0)
+
+        @depth.setter
+        def depth(self, value):
+            Traces.count += value > self.depth
+            self.__dict__["d"] = value
+
+    def reduce(eager):
+        ops = gs.CompressedAllReduce(name, algorithm="ring")
+        strategy = tf.distribute.MirroredStrategy(devices[:2], cross_device_ops=ops)
+
+        def step():
+            def fn():
+                r = tf.distribute.get_replica_context().replica_id_in_sync_group
+                return tf.random.stateless_normal([300, 40], (r, 7))
+            per_replica = strategy.run(fn)
+            return strategy.extended.batch_reduce_to(SUM, [(per_replica, per_replica)])
+        run = step if eager else tf.function(step)
+        return [results(run()[0])[0] for _ in range(3)]
+    monkeypatch.setattr(xla, "_tracing", Traces())
+    eager = reduce(True)
+    assert Traces.count == 0
+    compiled = reduce(False)
+    assert Traces.count > 0       # the function compiles its codecs, once
+    for a, b in zip(eager, compiled):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -70,6 +70,11 @@ def call(fn: Callable[..., Any], *args) -> Any:
       >>> call(lambda x: x * 2 + 1, tf.ones([3])).numpy()
       array([3., 3., 3.], dtype=float32)
     """
+    if tf.executing_eagerly():
+        # Each call would trace and compile a new function (a step run eagerly, to
+        # debug it): its ops run one by one instead.
+        return fn(*args)
+
     def traced(*a):
         _tracing.depth = getattr(_tracing, "depth", 0) + 1
         try:
