@@ -176,20 +176,28 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
     def timeout_seconds(self) -> float | None:
         return self._pipeline.timeout or None
 
-    def bucket_exchange(self, layout, members: int) -> str:
+    def bucket_exchange(self, layout, members: int, across_workers: bool | None = None) -> str:
         """How a bucket laid out as `layout` (a `compression.Layout`) travels among
         `members` replicas: "all-reduce" (summable payloads), "gather" or "two_phase"
-        (for `exchange="auto"`, `costmodel.choose_exchange`'s pick).
+        (for `exchange="auto"`, `costmodel.choose_exchange`'s pick: on the network's link
+        across workers, on the link between devices within one process).
+
+        Args:
+          layout: the bucket's layout.
+          members: the replicas it is reduced among.
+          across_workers: whether they are on several workers (None: as these ops run,
+            in a multi-worker strategy or not).
 
         Example:
           >>> ops = tf_gradsync.CompressedAllReduce("int8")
-          >>> ops.bucket_exchange(tf_gradsync.compression.Layout(((1000, 1000),)), 4)
+          >>> ops.bucket_exchange(tf_gradsync.compression.Layout(((1000, 1000),)), 4,
+          ...                     across_workers=True)
           'two_phase'
         """
         if self._compressor.summable:
             return "all-reduce"
-        return "two_phase" if self._pipeline.two_phase(self._compressor, layout, members) \
-            else "gather"
+        return "two_phase" if self._pipeline.two_phase(self._compressor, layout, members,
+                                                       across_workers) else "gather"
 
     @property
     def bucket_bytes(self) -> int:

@@ -393,17 +393,24 @@ class Pipeline:
                               devices=src,
                               measure_error=self.measure_error and compressor is self.compressor)
 
-    def two_phase(self, compressor: Compressor, layout, members: int) -> bool:
-        """Whether a bucket of `layout`'s gathered payloads travel in two phases."""
+    def two_phase(self, compressor: Compressor, layout, members: int,
+                  across_workers: bool | None = None) -> bool:
+        """Whether a bucket of `layout`'s gathered payloads travel in two phases among
+        `members` replicas, on several workers (`across_workers`, None: whether these
+        ops run on several) or within one process."""
         if (compressor.summable or not compressor.splittable or members < 2
                 or layout.numel < members):
             return False
         if self.exchange != "auto":
             return self.exchange == "two_phase"
-        key = (compressor.name, layout, members)
+        across = self.num_workers > 1 if across_workers is None else across_workers
+        key = (compressor.name, layout, members, across)
         if key not in self._exchanges:
+            # Within one process the members are devices, linked by copies: priced on the
+            # link between one worker's devices, not the network's.
+            link = algorithms.cost.Link() if across else algorithms.cost.local_link()
             self._exchanges[key] = costmodel.choose_exchange(compressor, layout, members,
-                                                             self.jit_compile)
+                                                             self.jit_compile, link)
         return self._exchanges[key] == "two_phase"
 
     def bucket_states(self) -> Iterator[dict[str, tf.Variable]]:

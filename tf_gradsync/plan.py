@@ -29,10 +29,8 @@ from typing import Sequence
 
 from absl import flags
 
+from tf_gradsync.algorithms.cost import LOCAL_BANDWIDTH, LOCAL_LATENCY_US, local_link as _local
 from tf_gradsync.config import DEFAULT_BUCKET_BYTES
-
-#: The link between a worker's devices unless told: about PCIe 3.0 x16.
-LOCAL_BANDWIDTH, LOCAL_LATENCY_US = "100gbit", 10.0
 
 FLAGS = flags.FlagValues()
 flags.DEFINE_integer("params", None, "Model size in weights (one square Dense layer and its "
@@ -295,7 +293,7 @@ def plan(specs, compressors: Sequence[str], workers: Sequence[int], bandwidths: 
     from tf_gradsync.bench import ops_from_spec  # pylint: disable=import-outside-toplevel
     if not (isinstance(devices, int) and devices >= 1):
         raise ValueError(f"devices per worker must be an integer >= 1, got {devices!r}")
-    local_link = local_link or Link(LOCAL_LATENCY_US * 1e-6, parse_bandwidth(LOCAL_BANDWIDTH))
+    local_link = local_link or _local()
     links = [(b, Link(latency_s, parse_bandwidth(b))) for b in bandwidths]
     # A spec's own settings of the ops (`topk:bucket_bytes=...:exchange=two_phase`) are
     # priced as they would run, over the flags'.

@@ -20,6 +20,8 @@ ALL_REDUCES = ("ring", "tree", "hierarchical")
 #: What "auto" assumes of a link: latency per message and bandwidth.
 LATENCY_S = 50e-6
 BYTES_PER_S = 125e6
+#: What it assumes of the link between one worker's devices (about PCIe 3.0 x16), tc style.
+LOCAL_BANDWIDTH, LOCAL_LATENCY_US = "100gbit", 10.0
 
 #: tc's rate units, in bits per second.
 UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
@@ -179,3 +181,8 @@ def bytes_sent(kind: str, workers: int, payload_bytes: float,
 
 __all__ = ["ALL_REDUCES", "BYTES_PER_S", "KINDS", "LATENCY_S", "Link", "UNITS", "all_to_all_rounds",
            "bytes_sent", "exchange_seconds", "parse_bandwidth"]
+
+
+def local_link() -> "Link":
+    """The link `LOCAL_BANDWIDTH` and `LOCAL_LATENCY_US` describe."""
+    return Link(LOCAL_LATENCY_US * 1e-6, parse_bandwidth(LOCAL_BANDWIDTH))

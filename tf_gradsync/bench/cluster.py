@@ -162,7 +162,7 @@ def measure(n: int, rate: str, modes: Sequence[str], params: int, steps: int,
                     buckets = plan_buckets([(tuple(s), tf.as_dtype(d)) for s, d in specs],
                                            ops.bucket_bytes).buckets
                     largest = max(buckets, key=lambda b: b.numel).layout
-                    two = ops.bucket_exchange(largest, n) == "two_phase"
+                    two = ops.bucket_exchange(largest, n, across_workers=True) == "two_phase"
                 summable = ops.compressor.summable
                 row["exchange"] = ("all-reduce" if summable else
                                    "two-phase" if two else "gather")
