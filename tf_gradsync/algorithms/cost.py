@@ -179,10 +179,11 @@ def bytes_sent(kind: str, workers: int, payload_bytes: float,
     raise ValueError(f"unknown exchange {kind!r}; valid: {', '.join(KINDS)}")
 
 
-__all__ = ["ALL_REDUCES", "BYTES_PER_S", "KINDS", "LATENCY_S", "Link", "UNITS", "all_to_all_rounds",
-           "bytes_sent", "exchange_seconds", "parse_bandwidth"]
-
-
-def local_link() -> "Link":
+def local_link() -> Link:
     """The link `LOCAL_BANDWIDTH` and `LOCAL_LATENCY_US` describe."""
     return Link(LOCAL_LATENCY_US * 1e-6, parse_bandwidth(LOCAL_BANDWIDTH))
+
+
+__all__ = ["ALL_REDUCES", "BYTES_PER_S", "KINDS", "LATENCY_S", "LOCAL_BANDWIDTH",
+           "LOCAL_LATENCY_US", "Link", "UNITS", "all_to_all_rounds", "bytes_sent",
+           "exchange_seconds", "local_link", "parse_bandwidth"]
