@@ -431,8 +431,8 @@ def _densified(value):
     gradient, summed on its own device; other values as they are. Its leading dimension
     is the table's when it runs (`_with_variable_shapes` then gives the static one)."""
     v = _tf_compat.to_per_replica(value)
-    if not isinstance(v.values[0], tf.IndexedSlices):
-        return value
+    if not isinstance(v.values[0], tf.IndexedSlices) or v.values[0].dense_shape is None:
+        return value        # dense already, or of no known size: gathered as it is
     parts = []
     for s in v.values:
         with tf.device(s.values.device):
