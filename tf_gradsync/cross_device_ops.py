@@ -180,7 +180,8 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
         """How a bucket laid out as `layout` (a `compression.Layout`) travels among
         `members` replicas: "all-reduce" (summable payloads), "gather" or "two_phase"
         (for `exchange="auto"`, `costmodel.choose_exchange`'s pick: on the network's link
-        across workers, on the link between devices within one process).
+        across workers and among GPUs, on the link between devices among the CPU devices
+        of one process).
 
         Args:
           layout: the bucket's layout.

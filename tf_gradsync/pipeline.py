@@ -397,18 +397,20 @@ class Pipeline:
                   across_workers: bool | None = None) -> bool:
         """Whether a bucket of `layout`'s gathered payloads travel in two phases among
         `members` replicas, on several workers (`across_workers`, None: whether these
-        ops run on several) or within one process."""
+        ops run on several) or on the CPU devices of one process."""
         if (compressor.summable or not compressor.splittable or members < 2
                 or layout.numel < members):
             return False
         if self.exchange != "auto":
             return self.exchange == "two_phase"
         across = self.num_workers > 1 if across_workers is None else across_workers
-        key = (compressor.name, layout, members, across)
+        # CPU devices of one process exchange by copies in memory, at the codec rates the
+        # model assumes (measured on CPUs): priced on the link between a worker's
+        # devices. GPUs (whose codecs run far faster) are priced as across workers.
+        local = not across and not tf.config.list_logical_devices("GPU")
+        key = (compressor.name, layout, members, local)
         if key not in self._exchanges:
-            # Within one process the members are devices, linked by copies: priced on the
-            # link between one worker's devices, not the network's.
-            link = algorithms.cost.Link() if across else algorithms.cost.local_link()
+            link = algorithms.cost.local_link() if local else algorithms.cost.Link()
             self._exchanges[key] = costmodel.choose_exchange(compressor, layout, members,
                                                              self.jit_compile, link)
         return self._exchanges[key] == "two_phase"
