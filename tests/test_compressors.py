@@ -935,8 +935,10 @@ def test_adapting_again_changes_nothing_and_another_compressors_adaptation_is_re
     adapted = ops.adapt_optimizer(tf.keras.optimizers.AdamW(1e-3, weight_decay=0.01))
     assert ops.adapt_optimizer(adapted) is adapted
     assert gs.CompressedAllReduce("topk").adapt_optimizer(adapted) is adapted   # same settings
-    with pytest.raises(ValueError, match=r"AdamW was adapted for ErrorFeedback\(inner=TopK\("
-                                         r"ratio=0.01\)\) already \(4.64x its rate\).*Sign"):
+    # A warm-up changes nothing in the optimizer beyond what top-k does.
+    assert gs.CompressedAllReduce("topk", warmup_steps=5).adapt_optimizer(adapted) is adapted
+    with pytest.raises(ValueError, match=r"AdamW was adapted for TopK\("
+                                         r"ratio=0.01\) already \(4.64x its rate\).*Sign"):
         gs.CompressedAllReduce("sign").adapt_optimizer(adapted)
     scaled = tf.keras.mixed_precision.LossScaleOptimizer(tf.keras.optimizers.Adam(1e-3))
     wrapped = ops.adapt_optimizer(scaled)
@@ -971,9 +973,14 @@ def test_a_rate_written_after_adapting_is_warned_of():
     plain.build([v])
     adapted.build([v])
     adapted.learning_rate.assign(plain.learning_rate)   # what a restore writes
-    with pytest.warns(C.OptimizerAdvice, match=r"SGD was adapted for ErrorFeedback\(inner=TopK"
-                                               r".* to learning rate 0.5 \(10x its own\) but trains "
-                                               r"at 0.05 \(momentum=0.0 kept\): a checkpoint"):
+    with pytest.warns(C.OptimizerAdvice, match=r"SGD was adapted for TopK.* to learning rate "
+                                               r"0.5 \(10x its own\) but trains at its own, "
+                                               r"0.05 \(momentum=0.0 kept\): a checkpoint"):
+        C.base.check_adapted_rate(adapted)
+    # Another rate is taken as meant (a relative callback's, a decayed rate resumed).
+    adapted.learning_rate.assign(0.3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         C.base.check_adapted_rate(adapted)
     # A schedule is no variable a restore writes: nothing to check.
     schedule = ops.adapt_optimizer(tf.keras.optimizers.Adam(
@@ -989,15 +996,18 @@ def test_a_warm_up_under_an_adapted_rate_is_warned_of():
     ops = gs.CompressedAllReduce("topk", warmup_steps=10)
     with pytest.warns(C.OptimizerAdvice, match=r"warmup_steps=10: the warm-up's dense gradients "
                                                r"train with Adam .* at 4.64x its rate.*"
-                                               r"PiecewiseConstantDecay\(\[10\], \[rate / 4.642"):
+                                               r"PiecewiseConstantDecay\(\[9\], \[rate / 4.642"):
         ops.compressor.check_optimizer(ops.adapt_optimizer(tf.keras.optimizers.Adam(1e-3)))
+    # Steps 0..9 are dense, and step s reads the schedule at iteration s.
     factor = ops.learning_rate_scale("adam")
     stepped = ops.adapt_optimizer(tf.keras.optimizers.Adam(
-        tf.keras.optimizers.schedules.PiecewiseConstantDecay([10], [1e-3 / factor, 1e-3])))
-    rate = stepped.learning_rate     # the schedule's value at the current step (0)
-    assert float(rate) == pytest.approx(1e-3)
-    assert float(stepped._learning_rate(10)) == pytest.approx(1e-3)
-    assert float(stepped._learning_rate(11)) == pytest.approx(1e-3 * factor)
+        tf.keras.optimizers.schedules.PiecewiseConstantDecay([9], [1e-3 / factor, 1e-3])))
+    assert float(stepped.learning_rate) == pytest.approx(1e-3)      # at iteration 0
+    assert float(stepped._learning_rate(9)) == pytest.approx(1e-3)
+    assert float(stepped._learning_rate(10)) == pytest.approx(1e-3 * factor)
+    with warnings.catch_warnings():     # the advice followed: no warning
+        warnings.simplefilter("error")
+        ops.compressor.check_optimizer(stepped)
     # SGD's adaptation trains dense gradients at the momentum's long-run step: no warning.
     with warnings.catch_warnings():
         warnings.simplefilter("error")

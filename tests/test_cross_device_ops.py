@@ -485,6 +485,12 @@ def test_dgc_says_once_that_embedding_gradients_get_none_of_its_momentum(devices
         np.testing.assert_array_equal(t, expected)
     assert ops.stats()["last_bytes_dense"] == 4 * (10 * 3 + 40 * 30) * 2 * (len(devices) - 1) \
         // len(devices)
+    # Slices of no known dense shape cannot be densified: they are gathered as they are.
+    from tf_gradsync import _tf_compat
+    from tf_gradsync.cross_device_ops import _densified
+    shapeless = _tf_compat.per_replica([tf.IndexedSlices(tf.ones([2, 3]), tf.constant([0, 4]))
+                                        for _ in devices])
+    assert _densified(shapeless) is shapeless
 
 
 def test_a_scalar_reduced_by_hand_is_exact_and_counts_no_step(devices):

@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -176,7 +177,7 @@ import sys, time
 import tf_gradsync as gs
 start = time.monotonic()
 try:
-    gs.MultiWorkerMirroredStrategy(startup_timeout_seconds=3)
+    gs.MultiWorkerMirroredStrategy(startup_timeout_seconds=float(sys.argv[1]))
     print("RESULT started", flush=True)
 except TimeoutError as e:
     print("RESULT raised", round(time.monotonic() - start, 1), e, flush=True)
@@ -194,12 +195,34 @@ def test_a_worker_that_never_starts_fails_the_others_at_startup(rank):
     env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2",
                TF_CONFIG=json.dumps({"cluster": {"worker": cluster},
                                      "task": {"type": "worker", "index": rank}}))
-    out = subprocess.run([sys.executable, "-c", _ALONE], env=env, capture_output=True,
+    out = subprocess.run([sys.executable, "-c", _ALONE, "3"], env=env, capture_output=True,
                          text=True, timeout=120).stdout
     (result,) = [l.split(maxsplit=3) for l in out.splitlines() if l.startswith("RESULT")]
     assert result[1] == "raised", out[-3000:]
     assert f"worker {rank}: the cluster's 2 tasks did not all start and join within " \
            "startup_timeout_seconds=3" in result[3]
+
+
+def test_a_late_worker_joins_within_the_startup_timeout():
+    """A worker started seconds after the other joins it within the wait."""
+    from tf_gradsync import launch as launcher
+    cluster = [f"127.0.0.1:{p}" for p in launcher.free_ports(2)]
+    procs = []
+    try:
+        for rank in range(2):
+            env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2",
+                       TF_CONFIG=json.dumps({"cluster": {"worker": cluster},
+                                             "task": {"type": "worker", "index": rank}}))
+            procs.append(subprocess.Popen([sys.executable, "-c", _ALONE, "120"], env=env,
+                                          stdout=subprocess.PIPE, text=True))
+            time.sleep(6)       # the second starts late
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    for out in outs:
+        assert "RESULT started" in out, out[-2000:]
 
 
 #: Summed (hierarchical: shards between workers), gathered, and two-phase payloads;

@@ -144,8 +144,8 @@ def test_embedding_tables_are_priced_as_the_rows_they_gather(devices, tmp_path, 
     build().save(path)
     specs, lookups = plan.gradients_of(path, None, batch=8)
     assert specs == [((80, 4), tf.float32), ((4,), tf.float32)]
-    assert [(t.rows, t.width, t.per_example, t.table_rows)
-            for t in lookups] == [(80, 8, 10, 2000)]
+    assert [(t.rows, t.width, t.per_example, t.table_rows, t.position)
+            for t in lookups] == [(80, 8, 10, 2000, 0)]
     row = next(r for r in plan.plan(specs, [name], [2], ["1gbit"], 0.01, lookups=lookups,
                                     sparse_as_dense=dense)
                if r["compressor"] == name)
@@ -178,15 +178,15 @@ def test_tied_frozen_and_shared_tables_are_not_priced_as_their_own_lookups():
     out = tf.keras.layers.Concatenate(axis=1)([shared(a), shared(b), tied(a), frozen(b)])
     model = tf.keras.Model([a, b], out)
     assert _tf_compat.keras_embeddings(model) == [shared]
-    assert plan._lookups(shared, 8).per_example is None
+    assert plan._lookups(shared, 8, 0).per_example is None
     single = tf.keras.layers.Embedding(50, 4)
     tf.keras.Model(a, single(a))
-    assert plan._lookups(single, 8).per_example == 3
-    assert plan._lookups(single, 8).index_dtype == tf.int32
+    assert plan._lookups(single, 8, 0).per_example == 3
+    assert plan._lookups(single, 8, 0).index_dtype == tf.int32
     wide_ids = tf.keras.Input((2, 3), dtype="int64")
     wide = tf.keras.layers.Embedding(50, 4)
     tf.keras.Model(wide_ids, wide(wide_ids))
-    assert (plan._lookups(wide, 8).rows, plan._lookups(wide, 8).index_dtype) == (48, tf.int64)
+    assert (plan._lookups(wide, 8, 0).rows, plan._lookups(wide, 8, 0).index_dtype) == (48, tf.int64)
 
 
 def test_a_file_keras_cannot_load_is_named_with_why(tmp_path):

@@ -251,9 +251,6 @@ def test_auto_prices_wire_and_codec_of_both_exchanges(name, first):
     picks = {n: costmodel.choose_exchange(ops.compressor, layout, n) for n in range(2, 10)}
     assert picks == {n: "two_phase" if n >= first else "gather" for n in range(2, 10)}
     assert all(ops.bucket_exchange(layout, n, across_workers=True) == picks[n] for n in picks)
-    # Within one process the members are devices, linked by copies: the wire is cheap,
-    # and two phases' second compression is not worth it.
-    assert all(ops.bucket_exchange(layout, n) == "gather" for n in range(2, 9))
     if name == "topk":
         assert costmodel.choose_exchange(ops.compressor, layout, 3, jit_compile=False) \
             == "two_phase"
@@ -264,6 +261,17 @@ def test_auto_prices_wire_and_codec_of_both_exchanges(name, first):
     guarded = gs.CompressedAllReduce(name, guard=True)
     assert costmodel.choose_exchange(guarded.compressor, layout, 8) == "gather"
     assert guarded.bucket_exchange(layout, 8, across_workers=True) == "gather"
+
+
+@pytest.mark.parametrize("name", [n for n in C.names()
+                                  if not C.get(n).summable and C.get(n).splittable])
+def test_auto_gathers_among_the_cpu_devices_of_one_process(name):
+    """Within one process the members are CPU devices, linked by copies in memory: the
+    wire is cheap and two phases' second compression is not, so every bucket gathers up
+    to 8 devices (adaptive at 4 went in two phases, with a graph per chunk)."""
+    ops = gs.CompressedAllReduce(name)
+    layout = C.Layout(((1000, 1000), (1000,)))
+    assert [ops.bucket_exchange(layout, n) for n in range(2, 9)] == ["gather"] * 7
 
 
 def test_two_phases_put_two_nths_of_a_gather_on_the_wire():

@@ -346,30 +346,40 @@ def optimizer_steps(optimizer) -> int:
         return int(counter.numpy())
 
 
+def coordinated_jobs(cluster_spec) -> list[str]:
+    """The jobs of a cluster TensorFlow's coordination service coordinates."""
+    return [j for j in ("chief", "worker") if j in cluster_spec.jobs]
+
+
 def bound_cluster_startup(cluster_resolver, timeout_seconds: float) -> bool:
     """Configures TensorFlow's coordination service as `MultiWorkerMirroredStrategy`
     would (the same leader and jobs), with every task waiting at most `timeout_seconds`
-    for all tasks of the cluster to register: TensorFlow's own waits without a bound
-    for a task that never starts. Leaves a service the user configured alone.
+    for all tasks of the cluster to register (TensorFlow's default: an hour, the leader
+    silent meanwhile). Leaves a service the user configured alone, and a TensorFlow
+    whose coordination config cannot hold every task to the wait (no
+    `cluster_register_with_barrier`: older releases) as it is.
 
     Returns:
       Whether the bound was set.
     """
-    from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2  # pylint: disable=import-outside-toplevel
-    from tensorflow.python.distribute import multi_worker_util  # pylint: disable=import-outside-toplevel
-    from tensorflow.python.eager import context  # pylint: disable=import-outside-toplevel
+    # pylint: disable=import-outside-toplevel
+    from tensorflow.python.distribute import collective_all_reduce_strategy as _cars
+    from tensorflow.python.distribute import multi_worker_util
+    from tensorflow.python.eager import context
+    config_pb2 = _cars.coordination_config_pb2   # where this TensorFlow keeps it
     ctx = context.context()
     spec = cluster_resolver.cluster_spec()
-    jobs = [j for j in ("chief", "worker") if j in spec.jobs]
+    jobs = coordinated_jobs(spec)
     if (ctx.coordination_service is not None or not jobs
-            or cluster_resolver.task_type not in jobs
-            or not tf.executing_eagerly()):
+            or cluster_resolver.task_type not in jobs or not tf.executing_eagerly()
+            or "cluster_register_with_barrier" not in
+            config_pb2.CoordinationServiceConfig.DESCRIPTOR.fields_by_name):
         return False
     ctx.configure_coordination_service(
         service_type="standalone",
         service_leader=multi_worker_util.coordination_leader(spec),
-        coordinated_jobs=[coordination_config_pb2.CoordinatedJob(
-            name=j, num_tasks=spec.num_tasks(j)) for j in jobs],
+        coordinated_jobs=[config_pb2.CoordinatedJob(name=j, num_tasks=spec.num_tasks(j))
+                          for j in jobs],
         cluster_register_timeout_in_ms=max(1, int(timeout_seconds * 1000)))
     # Without the barrier only the leader's registration is bounded; with it every task
     # waits for all the others at most that long.

@@ -90,14 +90,15 @@ class Lookups:
     duplicates included) of `width` entries of `dtype`, indices of `index_dtype`;
     `per_example` None where the model does not fix its lookups (one per example
     assumed); the table has `table_rows` rows (its whole gradient under
-    `sparse_as_dense`)."""
+    `sparse_as_dense`) and is weight `position` of the model's trainable weights."""
     name: str
     rows: int
     width: int
     dtype: object
     index_dtype: object
     per_example: int | None
-    table_rows: int = 0
+    table_rows: int
+    position: int
 
     @property
     def table(self) -> tuple:
@@ -134,10 +135,12 @@ def gradients_of(model: str | None, params: int | None, batch: int = 32
     net = load_model(model)
     specs = [(tuple(int(d) for d in v.shape), tf.as_dtype(v.dtype))
              for v in _tf_compat.dense_gradient_weights(net)]
-    return specs, [_lookups(layer, batch) for layer in _tf_compat.keras_embeddings(net)]
+    position = {id(w): i for i, w in enumerate(net.trainable_weights)}
+    return specs, [_lookups(layer, batch, position[id(layer.embeddings)])
+                   for layer in _tf_compat.keras_embeddings(net)]
 
 
-def _lookups(layer, batch: int) -> Lookups:
+def _lookups(layer, batch: int, position: int) -> Lookups:
     """An Embedding's lookups for `batch` examples: its input's size past the batch per
     example, when the model fixes it and calls the layer once (else one, assumed), with
     indices of its input's dtype (int32 unless int64)."""
@@ -154,7 +157,7 @@ def _lookups(layer, batch: int) -> Lookups:
              else tf.int32)
     table = layer.embeddings
     return Lookups(layer.name, batch * (per_example or 1), int(table.shape[-1]),
-                   tf.as_dtype(table.dtype), index, per_example, int(table.shape[0]))
+                   tf.as_dtype(table.dtype), index, per_example, int(table.shape[0]), position)
 
 
 def bert_large_specs(layers: int = 24, width: int = 1024, vocab: int = 30522,
@@ -332,9 +335,11 @@ def _payloads(ops, specs, lookups: Sequence[Lookups], workers: int, devices: int
     """The payloads `ops` send per step for these dense gradients and tables' lookups
     (or, densified by the ops, their tables)."""
     from tf_gradsync import costmodel  # pylint: disable=import-outside-toplevel
-    if ops.sparse_as_dense:
-        tables = [t.table for t in lookups]
-        return costmodel.model_payloads(ops.compressor, tables + list(specs), ops.bucket_bytes,
+    if ops.sparse_as_dense:     # the tables among the other weights, in the model's order
+        ordered = list(specs)
+        for t in sorted(lookups, key=lambda t: t.position):
+            ordered.insert(t.position, t.table)
+        return costmodel.model_payloads(ops.compressor, ordered, ops.bucket_bytes,
                                         workers * devices)
     return (costmodel.model_payloads(ops.compressor, specs, ops.bucket_bytes, workers * devices)
             + [costmodel.sparse_payload(ops.compressor, -(-t.rows // devices), t.width,
@@ -424,12 +429,10 @@ def main(argv: Sequence[str]) -> None:
     print(f"{params:,} weights in {len(specs)} tensors; compute {compute_s:.4g} s per step; "
           f"latency {FLAGS.latency_us:g} us; bucket_bytes {FLAGS.bucket_bytes}; overlap "
           f"{FLAGS.overlap:g}; codec throughput: {source}")
-    if lookups and FLAGS.sparse_as_dense:
-        print(f"(and {len(lookups)} embedding tables, priced as dense gradients: "
-              "--sparse_as_dense)")
-    elif lookups:
-        print(f"(and {len(lookups)} embedding tables, priced as the rows they look up:)")
-    for t in lookups if not FLAGS.sparse_as_dense else ():
+    if lookups:
+        print(f"(and {len(lookups)} embedding tables, priced as the rows they look up, or "
+              "as dense gradients under sparse_as_dense:)")
+    for t in lookups:
         fixed = (f"{t.per_example} per example" if t.per_example else
                  "1 per example assumed: the model does not fix its input length")
         print(f"embedding {t.name} ({t.width} wide): its gradient is the rows looked up, "

@@ -32,8 +32,8 @@ from tf_gradsync.cross_device_ops import CompressedAllReduce
 _COMMUNICATION_OPTIONS = type(tf.distribute.experimental.CommunicationOptions())
 
 #: How long a task waits for the cluster's others to start, by default: ample for tasks
-#: scheduled at different times (containers pulling images), bounded where TensorFlow
-#: waits without end.
+#: scheduled at different times (containers pulling images), a quarter of TensorFlow's
+#: silent hour.
 STARTUP_TIMEOUT_S = 900.0
 
 
@@ -50,10 +50,11 @@ class MultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
         one, the `timeout_seconds` of `cross_device_ops` bounds TensorFlow's own
         collectives too (metrics, values not compressed).
       startup_timeout_seconds: how long each task waits for every task of the cluster
-        to start and join (TensorFlow's coordination service; None: without a bound,
-        as TensorFlow waits). A worker that never starts fails the others then, each
-        naming the wait, instead of leaving them waiting with no output. Not applied
-        where the coordination service was configured already.
+        to start and join (TensorFlow's coordination service; None: TensorFlow's own
+        wait, an hour, with no output meanwhile). A worker that never starts fails the
+        others then, each naming the wait. Not applied where the coordination service
+        was configured already, nor where TensorFlow's coordination config has no
+        `cluster_register_with_barrier` (older releases: only the leader would wait).
 
     Raises:
       ValueError: if `cross_device_ops` is not a `CompressedAllReduce`, an argument has
@@ -109,7 +110,7 @@ class MultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
                 f"{_tasks(cluster_resolver)} tasks did not all start and join within "
                 f"startup_timeout_seconds={startup_timeout_seconds:g}; start every task with "
                 "the same cluster in TF_CONFIG, each reachable at its address (TensorFlow: "
-                f"{e.message.splitlines()[0]})") from None
+                f"{(e.message.splitlines() or [''])[0]})") from None
         # TensorFlow's collective ops: they keep serving what is not compressed.
         self._exact_ops = _tf_compat.cross_device_ops_of(self)
         if cross_device_ops is not None:
@@ -222,8 +223,8 @@ def check_tf_config(raw: str | None) -> dict[str, Any] | None:
     Raises:
       ValueError: for text that is not a JSON object, a missing `cluster` or `task`,
         a cluster that does not map known task types to non-empty lists of "host:port"
-        addresses, one address given to two tasks, or a task whose type is unknown or absent from the cluster or whose
-        index is out of range. The message names the bad value and what is allowed.
+        addresses, one address given to two tasks, or a task whose type is unknown or
+        absent from the cluster or whose index is out of range. The message names the bad value and what is allowed.
 
     Example:
       >>> check_tf_config('{"cluster": {"worker": ["a:1", "b:1"]}, '
@@ -295,6 +296,6 @@ def _check_address(task_type: str, address) -> None:
 
 
 def _tasks(cluster_resolver) -> int:
-    """How many chief and worker tasks the cluster has."""
+    """How many tasks of the cluster the coordination service waits for."""
     spec = cluster_resolver.cluster_spec()
-    return sum(spec.num_tasks(j) for j in ("chief", "worker") if j in spec.jobs)
+    return sum(spec.num_tasks(j) for j in _tf_compat.coordinated_jobs(spec))

@@ -1,8 +1,9 @@
 """Gradient compressors, looked up by name with `get(name, **kwargs)`."""
 
-from tf_gradsync.compression.base import (GATHER, SCATTER, SUM, Compressor, Context, Layout, Message,
-                                          OptimizerAdvice, OptimizerRefused, StateSpec, Wrapper,
-                                          get, names, nbytes, register)
+from tf_gradsync.compression.base import (GATHER, SCATTER, SUM, Adaptation, Compressor, Context,
+                                          Layout, Message, OptimizerAdvice, OptimizerRefused,
+                                          StateSpec, Wrapper, adaptation, get, names, nbytes,
+                                          register)
 from tf_gradsync.compression import driver, two_phase
 # Importing the modules registers their compressors.
 from tf_gradsync.compression.none import NoCompression
@@ -23,9 +24,9 @@ from tf_gradsync.compression.topk import TopK
 from tf_gradsync.compression.warmup import Warmup
 
 __all__ = [
-    "Adaptive", "BFloat16", "Compressor", "Context", "DGC", "ErrorFeedback", "Float16", "GATHER",
-    "Guard", "Int8", "Layout", "Message", "NoCompression", "OneBit", "OptimizerAdvice",
-    "OptimizerRefused", "PowerSGD", "QSGD", "RandomK", "SCATTER", "SUM", "Sign", "StateSpec",
-    "TernGrad", "Threshold", "TopK", "Warmup", "Wrapper", "driver", "get", "names", "nbytes",
-    "register", "two_phase", "with_error_feedback",
+    "Adaptation", "Adaptive", "BFloat16", "Compressor", "Context", "DGC", "ErrorFeedback",
+    "Float16", "GATHER", "Guard", "Int8", "Layout", "Message", "NoCompression", "OneBit",
+    "OptimizerAdvice", "OptimizerRefused", "PowerSGD", "QSGD", "RandomK", "SCATTER", "SUM",
+    "Sign", "StateSpec", "TernGrad", "Threshold", "TopK", "Warmup", "Wrapper", "adaptation",
+    "driver", "get", "names", "nbytes", "register", "two_phase", "with_error_feedback",
 ]

@@ -635,7 +635,7 @@ class Compressor(abc.ABC):
             optimizer = tf.keras.optimizers.get(optimizer)
         mark = adaptation(optimizer)
         if mark is not None:
-            if mark.by == repr(self):
+            if mark.by == self._adapts_as():
                 return optimizer      # adapting twice would scale the rate twice
             raise ValueError(
                 f"{type(applying_optimizer(optimizer)).__name__} was adapted for {mark.by} "
@@ -673,7 +673,7 @@ class Compressor(abc.ABC):
                     f"({type(e).__name__}: {e}): if get_config leaves a constructor "
                     "argument out, return it there, or make these changes yourself") from e
             _tf_compat.copy_weight_decay_exclusions(optimizer, adapted)
-            setattr(adapted, _ADAPTED, Adaptation(repr(self), factor, changes,
+            setattr(adapted, _ADAPTED, Adaptation(self._adapts_as(), factor, changes,
                                                   lr if _number(lr) else None))
             _warn_steps_lost(optimizer)
         # What the first step would refuse (dgc under Adam) is refused here, before a
@@ -686,6 +686,11 @@ class Compressor(abc.ABC):
         (none by default): what even a wrapper that keeps the optimizer otherwise as
         it is (the guard) must make."""
         return {}
+
+    def _adapts_as(self) -> str:
+        """The compressor whose changes `adapt_optimizer` makes (its repr): optimizers it
+        adapted are adapted alike by any compressor with the same."""
+        return repr(self)
 
     def _optimizer_changes(self, optimizer: Any) -> tuple[float, dict]:
         """`adapt_optimizer`'s learning-rate factor and config changes for `optimizer`."""
@@ -797,6 +802,13 @@ class Wrapper(Compressor):
     def _optimizer_changes(self, optimizer: Any) -> tuple[float, dict]:
         return self.inner._optimizer_changes(optimizer)  # pylint: disable=protected-access
 
+    def _adapts_as(self) -> str:
+        # A wrapper that changes the optimizer as its inner compressor does (a warm-up,
+        # error feedback) adapts as that one; one with changes of its own (the guard) not.
+        if type(self)._optimizer_changes is Wrapper._optimizer_changes:
+            return self.inner._adapts_as()  # pylint: disable=protected-access
+        return repr(self)
+
     def required_optimizer_changes(self, optimizer: Any) -> dict:
         return self.inner.required_optimizer_changes(optimizer)
 
@@ -894,8 +906,9 @@ _ADAPTED = "_tf_gradsync_adapted"
 @dataclasses.dataclass(frozen=True)
 class Adaptation:
     """What `Compressor.adapt_optimizer` did to an optimizer: for which compressor (`by`,
-    its repr), the learning-rate `factor`, the other config `changes`, and the rate it
-    set where the rate is a number (None for a schedule)."""
+    the repr of the one whose changes they are), the learning-rate `factor`, the other
+    config `changes`, and the rate it set where the rate is a number (None for a
+    schedule)."""
     by: str
     factor: float
     changes: dict
@@ -916,27 +929,28 @@ def _warn_steps_lost(optimizer: Any) -> None:
             f"adapt_optimizer builds a new {type(optimizer).__name__}: the {steps} steps this "
             "one has taken do not carry over (its iterations, which learning-rate schedules "
             "read, restart at 0, and its slots, momentum or moments, start empty); adapt "
-            "the optimizer before training or restoring a checkpoint", stacklevel=3)
+            "the optimizer before training or restoring a checkpoint", stacklevel=4)
 
 
 def check_adapted_rate(optimizer: Any) -> None:
-    """Warns when an optimizer `adapt_optimizer` built trains at another rate than the one
-    it set, with the rest of the adaptation (momentum off) in place: a checkpoint of a
-    run without the adaptation restored into it, or a callback that sets absolute rates
-    (`LearningRateScheduler`), wrote the rate variable. Called when a step is traced,
-    with the rate it starts from."""
+    """Warns when an optimizer `adapt_optimizer` built trains at the rate it was adapted
+    from, the uncompressed one, with the rest of the adaptation (momentum off) in place:
+    a checkpoint of a run without the adaptation restored into it, or a callback that
+    sets absolute rates (`LearningRateScheduler` with a function of the epoch alone),
+    wrote the rate variable. Other rates (a relative callback's, a decayed rate resumed)
+    are taken as meant. Called when a step is traced, with the rate it starts from."""
     mark = adaptation(optimizer)
-    if mark is None or mark.learning_rate is None:
+    if mark is None or mark.learning_rate is None or mark.factor == 1:
         return
     rate = optimizer_config(optimizer).get("learning_rate")
-    if _number(rate) and not math.isclose(rate, mark.learning_rate, rel_tol=1e-5):
+    if _number(rate) and math.isclose(rate * mark.factor, mark.learning_rate, rel_tol=1e-5):
         kept = f" ({_described(mark.changes)} kept)" if mark.changes else ""
         warnings.warn(OptimizerAdvice(
             f"{type(applying_optimizer(optimizer)).__name__} was adapted for {mark.by} to "
             f"learning rate {mark.learning_rate:.4g} ({mark.factor:.3g}x its own) but trains "
-            f"at {rate:.4g}{kept}: a checkpoint of a run without the adaptation restored "
-            "after it, or a callback that sets rates (LearningRateScheduler), wrote the "
-            f"rate. Set rates {mark.factor:.3g}x what they are uncompressed "
+            f"at its own, {rate:.4g}{kept}: a checkpoint of a run without the adaptation "
+            "restored after it, or a callback that sets rates (LearningRateScheduler), "
+            f"wrote the rate. Set rates {mark.factor:.3g}x what they are uncompressed "
             "(optimizer.learning_rate after a restore, the schedule of the callback)"),
             stacklevel=2)
 
@@ -987,8 +1001,10 @@ def divides_by_rms(optimizer: Any) -> bool:
 
     Told by its config: a mean-square setting next to the `epsilon` that guards the
     division (Lion has a beta_2 but no division, so no epsilon); Adafactor's factored
-    mean square (`beta_2_decay`, `epsilon_1`); Ftrl's accumulator under its default
-    `learning_rate_power` of -0.5 (a square root)."""
+    mean square (`beta_2_decay`, `epsilon_1`; under `relative_step`, its default, Keras
+    caps the rate at 1/sqrt(step), which a scaled rate meets sooner); Ftrl's accumulator
+    under its default `learning_rate_power` of -0.5 (a square root). The factor was
+    measured under Adam (`learning_rate_scale`); the others share its division."""
     if isinstance(optimizer, str):
         optimizer = tf.keras.optimizers.get(optimizer)
     config = optimizer_config(optimizer)

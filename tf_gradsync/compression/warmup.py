@@ -70,14 +70,16 @@ class Warmup(Wrapper):
         name, momentum = optimizer_momentum(optimizer)
         _, changes = self._optimizer_changes(optimizer)
         rms_factor = self.inner.learning_rate_scale(applying_optimizer(optimizer))
-        if self.steps and rms_factor > 1 and adaptation(optimizer) is not None:
+        mark = adaptation(optimizer)
+        # A schedule adapted is the user's to shape (the piecewise one below, say).
+        if self.steps and rms_factor > 1 and mark is not None and mark.learning_rate is not None:
             warnings.warn(OptimizerAdvice(
                 f"warmup_steps={self.steps}: the warm-up's dense gradients train with "
                 f"{type(applying_optimizer(optimizer)).__name__} adapted for {self.inner!r}, "
                 f"at {rms_factor:.3g}x its rate (raised for the payload's bursts, which dense "
                 "gradients do not have). For the uncompressed rate during the warm-up, give "
                 "the optimizer a schedule before adapting it, keras.optimizers.schedules."
-                f"PiecewiseConstantDecay([{self.steps}], [rate / {rms_factor:.4g}, rate]): "
+                f"PiecewiseConstantDecay([{self.steps - 1}], [rate / {rms_factor:.4g}, rate]): "
                 "adapt_optimizer scales every rate of a schedule"), stacklevel=2)
         if (self.steps and name == "momentum" and momentum and self.inner.send_interval() > 1
                 and "momentum" not in changes):

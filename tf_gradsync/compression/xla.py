@@ -56,7 +56,8 @@ def summing() -> bool:
 
 
 def call(fn: Callable[..., Any], *args) -> Any:
-    """`fn(*args)` compiled by XLA as one cluster, on the current device.
+    """`fn(*args)` compiled by XLA as one cluster, on the current device (run eagerly,
+    op by op, outside a `tf.function`).
 
     Args:
       fn: builds TensorFlow ops from `args` (nested tensors); it may close over other
