@@ -318,9 +318,11 @@ def test_tiny_end_to_end_run(tmp_path):
     cluster.predict(again, compute["probes"], compute["specs"], 2, links)
     assert again[2]["codec_s"] == pytest.approx(2 * fp16["codec_s"])
     # The codecs priced are those each worker timed on one core: a rate and a cost per
-    # call, both measured.
+    # call, both measured (a call's cost is fitted from two lengths' timings, and is 0
+    # where a busy machine's noise hides it).
     assert all(p["throughput_one_core"].keys() == p["call_s_one_core"].keys()
-               and all(s > 0 for s in p["call_s_one_core"].values())
+               and all(s >= 0 for s in p["call_s_one_core"].values())
+               and all(r > 0 for r in p["throughput_one_core"].values())
                for p in compute["probes"])
     for p in compute["probes"]:
         p["throughput_one_core"] = {m: 2 * v for m, v in p["throughput_one_core"].items()}

@@ -365,9 +365,12 @@ class Pipeline:
         for r, d in enumerate(src):
             compressor.check_input(xs[r])
             chunks = two_phase.split(layout, n, group.members[r]) if two else None
+            # A step run eagerly (to debug it) would trace and compile each codec anew at
+            # every call: its ops run one by one instead.
             ctxs.append(Context(state=self._state_for(compressor, plan, bucket, r, d, chunks),
                                 step=step, seed=seed, num_replicas=n, replica=replica_id(d),
-                                layout=layout, chunks=chunks, jit_compile=self.jit_compile))
+                                layout=layout, chunks=chunks,
+                                jit_compile=self.jit_compile and not tf.executing_eagerly()))
 
         def exchange(messages: Sequence[Message]):
             first, wire = messages[0], Wire()

@@ -56,8 +56,7 @@ def summing() -> bool:
 
 
 def call(fn: Callable[..., Any], *args) -> Any:
-    """`fn(*args)` compiled by XLA as one cluster, on the current device (run eagerly,
-    op by op, outside a `tf.function`).
+    """`fn(*args)` compiled by XLA as one cluster, on the current device.
 
     Args:
       fn: builds TensorFlow ops from `args` (nested tensors); it may close over other
@@ -71,11 +70,6 @@ def call(fn: Callable[..., Any], *args) -> Any:
       >>> call(lambda x: x * 2 + 1, tf.ones([3])).numpy()
       array([3., 3., 3.], dtype=float32)
     """
-    if tf.executing_eagerly():
-        # Each call would trace and compile a new function (a step run eagerly, to
-        # debug it): its ops run one by one instead.
-        return fn(*args)
-
     def traced(*a):
         _tracing.depth = getattr(_tracing, "depth", 0) + 1
         try:
