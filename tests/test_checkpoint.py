@@ -2,6 +2,7 @@
 the uninterrupted one (tf.train.Checkpoint, model.save_weights, BackupAndRestore)."""
 
 import logging
+import os
 
 import numpy as np
 import pytest
@@ -456,3 +457,21 @@ def test_multiworker_resume_from_each_workers_checkpoint_is_exact(tmp_path):
         assert resumed[r]["fingerprints"] == full[r]["fingerprints"][10:]
         assert resumed[r]["stats"]["steps"] == full[r]["stats"]["steps"] == 20
     assert resumed[0]["fingerprints"] == resumed[1]["fingerprints"]
+
+
+def test_an_untracked_model_saves_without_the_state(data, devices, tmp_path):
+    """What README advises before saving a model to serve: `del model.gradsync_state`
+    leaves the residuals (the weights' size per replica) out of its files, and training
+    goes on through the ops."""
+    x, y = data
+    ops = gs.CompressedAllReduce("topk")
+    model = _model(tf.distribute.MirroredStrategy(devices, cross_device_ops=ops), ops)
+    model.fit(x[:BATCH], y[:BATCH], batch_size=BATCH, epochs=1, verbose=0)
+    tracked, plain = str(tmp_path / "tracked.keras"), str(tmp_path / "plain.keras")
+    model.save(tracked)
+    del model.gradsync_state
+    model.save(plain)
+    weights = sum(w.numpy().nbytes for w in model.trainable_weights)
+    assert os.path.getsize(tracked) - os.path.getsize(plain) >= len(devices) * weights
+    model.fit(x[:BATCH], y[:BATCH], batch_size=BATCH, epochs=1, verbose=0)
+    assert ops.stats()["steps"] == 2
