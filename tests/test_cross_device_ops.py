@@ -1041,7 +1041,7 @@ def test_values_without_devices_are_refused_rather_than_left_waiting(devices):
                  tf.float16, scale=4.0)
 
 
-@pytest.mark.parametrize("name", ["sign", "topk", "int8"])
+@pytest.mark.parametrize("name", ["sign", "topk", "int8", "qsgd", "adaptive"])
 def test_a_reduction_run_eagerly_matches_its_function(devices, name, monkeypatch):
     """A step run eagerly (to debug it) reduces as its `tf.function` does, without
     tracing and compiling the codecs anew at every call (TensorFlow's retracing
