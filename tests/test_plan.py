@@ -131,7 +131,8 @@ def test_a_saved_model_is_read_by_path(tmp_path):
 
 @pytest.mark.parametrize("name,dense", [("none", False), ("fp16", False), ("topk", False),
                                         ("sign", False), ("topk", True)])
-def test_embedding_tables_are_priced_as_the_rows_they_gather(devices, tmp_path, name, dense):
+def test_embedding_tables_are_priced_as_the_rows_they_gather(devices, tmp_path, name, dense,
+                                                             capsys):
     """An Embedding's gradient is the rows it looked up, gathered as they are (fp16
     halves their values), not its table compressed: the planner's bytes per worker for
     a saved model with one equal what a step of `fit` on two replicas sends. With
@@ -156,6 +157,9 @@ def test_embedding_tables_are_priced_as_the_rows_they_gather(devices, tmp_path, 
         (flagged,) = [r for r in json.loads(out.read_text())
                       if (r["compressor"], r["exchange"]) == (name, row["exchange"])]
         assert flagged["bytes_per_worker"] == row["bytes_per_worker"]
+        printed = capsys.readouterr().out
+        assert "1 embedding tables, priced as dense gradients: --sparse_as_dense" in printed
+        assert "gathered as they are" not in printed
     ops = ops_from_spec(name, sparse_as_dense=dense)
     strategy = tf.distribute.MirroredStrategy(devices[:2], cross_device_ops=ops)
     with strategy.scope():

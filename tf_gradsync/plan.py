@@ -203,7 +203,8 @@ def load_model(name: str):
         except Exception as e:    # Keras raises OSError, TypeError, ValueError, ... alike
             why = (str(e).strip().splitlines() or [""])[0][:300]
             raise ValueError(f"cannot load the model saved at {name!r}: {type(e).__name__}: "
-                             f"{why} (a custom layer's module: --imports=module)") from e
+                             f"{why} (a custom layer's module: --imports=module; a model "
+                             "saved by tf_keras: TF_USE_LEGACY_KERAS=1)") from e
     if os.sep in name or name.lower().endswith((".keras", ".h5", ".hdf5")):
         raise ValueError(f"--model={name}: no such file")
     apps = {n.lower(): getattr(keras.applications, n) for n in dir(keras.applications)
@@ -429,10 +430,13 @@ def main(argv: Sequence[str]) -> None:
     print(f"{params:,} weights in {len(specs)} tensors; compute {compute_s:.4g} s per step; "
           f"latency {FLAGS.latency_us:g} us; bucket_bytes {FLAGS.bucket_bytes}; overlap "
           f"{FLAGS.overlap:g}; codec throughput: {source}")
-    if lookups:
-        print(f"(and {len(lookups)} embedding tables, priced as the rows they look up, or "
-              "as dense gradients under sparse_as_dense:)")
-    for t in lookups:
+    if lookups and FLAGS.sparse_as_dense:
+        print(f"(and {len(lookups)} embedding tables, priced as dense gradients: "
+              "--sparse_as_dense)")
+    elif lookups:
+        print(f"(and {len(lookups)} embedding tables, priced as the rows they look up, but "
+              "under a spec's sparse_as_dense=true, as dense gradients:)")
+    for t in () if FLAGS.sparse_as_dense else lookups:
         fixed = (f"{t.per_example} per example" if t.per_example else
                  "1 per example assumed: the model does not fix its input length")
         print(f"embedding {t.name} ({t.width} wide): its gradient is the rows looked up, "
