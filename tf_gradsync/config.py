@@ -96,6 +96,15 @@ class SyncConfig:
             sparse_as_dense=self.sparse_as_dense)
 
 
+def check_seconds(name: str, value) -> None:
+    """Raises ValueError unless `value`, the setting `name`, is a positive, finite number
+    of seconds or None."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)
+                              or not 0 < value < math.inf):
+        raise ValueError(f"{name} must be a positive, finite number of seconds or None (null "
+                         f"in YAML), got {value!r}")
+
+
 def check_bucket_bytes(bucket_bytes) -> None:
     if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, numbers.Integral) \
             or bucket_bytes <= 0:
@@ -121,11 +130,7 @@ def check_settings(*, error_feedback=None, bucket_bytes=DEFAULT_BUCKET_BYTES, al
     if (isinstance(warmup_steps, bool) or not isinstance(warmup_steps, numbers.Integral)
             or warmup_steps < 0):
         raise ValueError(f"warmup_steps must be a non-negative integer, got {warmup_steps!r}")
-    if timeout_seconds is not None and (
-            isinstance(timeout_seconds, bool) or not isinstance(timeout_seconds, numbers.Real)
-            or not 0 < timeout_seconds < math.inf):
-        raise ValueError("timeout_seconds must be a positive, finite number of seconds or "
-                         f"None (null in YAML), got {timeout_seconds!r}")
+    check_seconds("timeout_seconds", timeout_seconds)
     for name, value in (("measure_error", measure_error), ("guard", guard),
                         ("jit_compile", jit_compile), ("sparse_as_dense", sparse_as_dense)):
         if not isinstance(value, (bool, np.bool_)):

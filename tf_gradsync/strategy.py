@@ -25,6 +25,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_gradsync import _tf_compat
+from tf_gradsync.config import check_seconds
 from tf_gradsync.cross_device_ops import CompressedAllReduce
 
 
@@ -86,12 +87,7 @@ class MultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
                                                                  _COMMUNICATION_OPTIONS):
             raise ValueError(f"communication_options must be a tf.distribute.experimental."
                              f"CommunicationOptions or None, got {communication_options!r}")
-        if startup_timeout_seconds is not None and (
-                isinstance(startup_timeout_seconds, bool)
-                or not isinstance(startup_timeout_seconds, (int, float, np.number))
-                or not 0 < startup_timeout_seconds < float("inf")):
-            raise ValueError("startup_timeout_seconds must be a positive, finite number of "
-                             f"seconds or None, got {startup_timeout_seconds!r}")
+        check_seconds("startup_timeout_seconds", startup_timeout_seconds)
         if cluster_resolver is None:
             # TensorFlow reads TF_CONFIG itself, deep inside cluster resolution: check it
             # first so that a typo gives a message about TF_CONFIG, not a stack trace.
@@ -224,7 +220,8 @@ def check_tf_config(raw: str | None) -> dict[str, Any] | None:
       ValueError: for text that is not a JSON object, a missing `cluster` or `task`,
         a cluster that does not map known task types to non-empty lists of "host:port"
         addresses, one address given to two tasks, or a task whose type is unknown or
-        absent from the cluster or whose index is out of range. The message names the bad value and what is allowed.
+        absent from the cluster or whose index is out of range. The message names the
+        bad value and what is allowed.
 
     Example:
       >>> check_tf_config('{"cluster": {"worker": ["a:1", "b:1"]}, '
@@ -251,6 +248,7 @@ def check_tf_config(raw: str | None) -> dict[str, Any] | None:
     if not isinstance(cluster, dict) or not cluster:
         raise ValueError(f"TF_CONFIG 'cluster' must map task types ({', '.join(TASK_TYPES)}) to "
                          f"lists of 'host:port' addresses, got {cluster!r}")
+    seen: dict[str, str] = {}       # address -> the task at it
     for task_type, addresses in cluster.items():
         if task_type not in TASK_TYPES:
             raise ValueError(f"TF_CONFIG cluster has unknown task type {task_type!r}; "
@@ -261,12 +259,9 @@ def check_tf_config(raw: str | None) -> dict[str, Any] | None:
         if task_type == "chief" and len(addresses) > 1:
             raise ValueError(f"TF_CONFIG cluster['chief'] has {len(addresses)} addresses "
                              f"{addresses!r}; allowed: at most one chief")
-        for address in addresses:
-            _check_address(task_type, address)
-    # Two tasks at one address: one fails to start its server, the other waits for it.
-    seen: dict[str, str] = {}
-    for task_type, addresses in cluster.items():
         for i, address in enumerate(addresses):
+            _check_address(task_type, address)
+            # Two tasks at one address: one fails to start its server, the other waits.
             if address in seen:
                 raise ValueError(f"TF_CONFIG cluster gives {seen[address]} and {task_type} {i} "
                                  f"one address, {address!r}; each task needs its own port")
