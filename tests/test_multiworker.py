@@ -146,6 +146,13 @@ except Exception as e:
 """
 
 
+def _worker_env(cluster: list[str], rank: int, **extra: str) -> dict:
+    """The environment of worker `rank` of `cluster` started by hand (TF_CONFIG)."""
+    return dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2", **extra,
+                TF_CONFIG=json.dumps({"cluster": {"worker": cluster},
+                                      "task": {"type": "worker", "index": rank}}))
+
+
 @pytest.mark.slow
 def test_a_stuck_peer_fails_fit_within_the_ops_timeout(tmp_path):
     """Under model.fit a peer that is alive but stuck also stalls the metrics'
@@ -155,9 +162,7 @@ def test_a_stuck_peer_fails_fit_within_the_ops_timeout(tmp_path):
     cluster = [f"127.0.0.1:{p}" for p in launcher.free_ports(2)]
     procs = []
     for rank in range(2):
-        env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2",
-                   TF_NUM_INTRAOP_THREADS="1", TF_CONFIG=json.dumps({"cluster": {"worker": cluster},
-                                         "task": {"type": "worker", "index": rank}}))
+        env = _worker_env(cluster, rank, TF_NUM_INTRAOP_THREADS="1")
         procs.append(subprocess.Popen([sys.executable, "-c", _STALLING_WORKER, "8"], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                       text=True))
@@ -192,9 +197,7 @@ def test_a_worker_that_never_starts_fails_the_others_at_startup(rank):
     leader (task 0) and on the others alike, naming it."""
     from tf_gradsync import launch as launcher
     cluster = [f"127.0.0.1:{p}" for p in launcher.free_ports(2)]
-    env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2",
-               TF_CONFIG=json.dumps({"cluster": {"worker": cluster},
-                                     "task": {"type": "worker", "index": rank}}))
+    env = _worker_env(cluster, rank)
     out = subprocess.run([sys.executable, "-c", _ALONE, "3"], env=env, capture_output=True,
                          text=True, timeout=120).stdout
     (result,) = [l.split(maxsplit=3) for l in out.splitlines() if l.startswith("RESULT")]
@@ -210,9 +213,7 @@ def test_a_late_worker_joins_within_the_startup_timeout():
     procs = []
     try:
         for rank in range(2):
-            env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2",
-                       TF_CONFIG=json.dumps({"cluster": {"worker": cluster},
-                                             "task": {"type": "worker", "index": rank}}))
+            env = _worker_env(cluster, rank)
             procs.append(subprocess.Popen([sys.executable, "-c", _ALONE, "120"], env=env,
                                           stdout=subprocess.PIPE, text=True))
             time.sleep(6)       # the second starts late
