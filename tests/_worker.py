@@ -69,6 +69,8 @@ def main() -> None:
         model, opt = _regression.model_and_optimizer(strategy, 16, 4)
         ops = gs.autotune(strategy, model, compute=0.001 * (rank + 1), accuracy="aggressive",
                           calibrate_numel=20_000, **json.loads(a.options))
+        with strategy.scope():    # what the pick trains best with (DGC drops momentum)
+            opt = ops.adapt_optimizer(opt)
         decision = {k: v for k, v in vars(ops.decision).items() if k != "link"}
         link = ops.decision.link
         decision["link"] = [link.latency_s, link.bytes_per_s, link.round_s]

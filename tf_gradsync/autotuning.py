@@ -366,7 +366,9 @@ def autotune(strategy: tf.distribute.Strategy, weights, *, compute: float | Call
       >>> with strategy.scope():
       ...     model = build_model()
       >>> ops = tf_gradsync.autotune(strategy, model, compute=0.25)
-      >>> model.compile(...); model.fit(...)
+      >>> with strategy.scope():   # DGC refuses an optimizer with momentum of its own
+      ...     opt = ops.adapt_optimizer(tf.keras.optimizers.SGD(0.1, momentum=0.9))
+      >>> model.compile(optimizer=opt, ...); model.fit(...)
     """
     for arg, value, low in (("trials", trials, 0), ("trial_steps", trial_steps, 1)):
         if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
