@@ -299,8 +299,8 @@ def test_bench_models_train_a_step_through_the_ops(devices, name):
 def test_accuracy_cell_refused_by_the_compressor(devices):
     """dgc refuses Adam (its first moment compounds with dgc's momentum): the cell says
     so instead of training; under SGD with momentum the momentum moves into dgc."""
-    from tf_gradsync.bench import accuracy
-    data = accuracy.train_digits().load_data(0)
+    from tf_gradsync.bench import accuracy, digits
+    data = digits.load_data(0)
     row = accuracy.train_cell("mlp", "adam", "dgc", devices, data, 1, 0.5)
     assert row["accuracy"] is None and row["note"].startswith("refused: dgc applies momentum")
     row = accuracy.train_cell("mlp", "sgdm", "dgc", devices, data, 2, 0.5)
@@ -391,9 +391,21 @@ def test_mean_over_seeds():
     assert accuracy.mean_row(runs[:1], 0.95) is runs[0]
 
 
+def test_the_accuracy_suites_digits_come_with_the_package(monkeypatch):
+    """The suite's data and models are the package's own (it runs where the package is
+    installed, without the examples); without scikit-learn the error says what to
+    install."""
+    from tf_gradsync.bench import accuracy, digits
+    assert os.path.dirname(digits.__file__) == os.path.dirname(accuracy.__file__)
+    assert accuracy.digits is digits
+    monkeypatch.setitem(sys.modules, "sklearn.datasets", None)   # import fails
+    with pytest.raises(ImportError, match=r"scikit-learn.*tf_gradsync\[bench\]"):
+        digits.load_data(0)
+
+
 def test_accuracy_seeds(devices):
-    from tf_gradsync.bench import accuracy
-    data = accuracy.train_digits().load_data(accuracy.SEED)
+    from tf_gradsync.bench import accuracy, digits
+    data = digits.load_data(accuracy.SEED)
     one = [accuracy.train_cell("mlp", "sgd", "none", devices, data, 1, 0.0, seed=s)
            for s in (0, 1)]
     assert one[0]["accuracy"] != one[1]["accuracy"]     # the seed sets the initial weights

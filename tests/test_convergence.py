@@ -20,7 +20,7 @@ without the accuracy guard.
 import pytest
 
 import tf_gradsync as gs
-from tf_gradsync.bench import accuracy
+from tf_gradsync.bench import accuracy, digits
 
 EPOCHS = 10
 NAMES = [n for n in gs.compression.names() if n != "none"]
@@ -28,7 +28,7 @@ NAMES = [n for n in gs.compression.names() if n != "none"]
 
 @pytest.fixture(scope="module")
 def data():
-    return accuracy.train_digits().load_data(0)
+    return digits.load_data(0)
 
 
 @pytest.fixture(scope="module")

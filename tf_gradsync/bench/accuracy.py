@@ -1,7 +1,7 @@
 """The convergence matrix: architectures x optimizers x compressors, at library defaults.
 
 Each cell trains scikit-learn's digits under MirroredStrategy on 4 logical CPU devices
-with one model of `examples/train_digits.py` (`mlp`: 17,226 parameters; `cnn`: three
+with one model of `digits` (`mlp`: 17,226 parameters; `cnn`: three
 convolutions and a dense head, 58,314; `resnet`: a small residual network with batch
 normalisation on the digits upsampled to 16x16, 19,994), one optimizer recipe and one
 mode: "stock" (MirroredStrategy's own cross-device ops), or a compressor at its
@@ -39,9 +39,7 @@ off), and "stock".
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 import sys
 import time
 import warnings
@@ -52,7 +50,7 @@ import tensorflow as tf
 from absl import flags
 
 import tf_gradsync as gs
-from tf_gradsync.bench import ops_from_spec
+from tf_gradsync.bench import digits, ops_from_spec
 
 flags.DEFINE_integer("accuracy_epochs", 10, "accuracy: training epochs.", lower_bound=1)
 flags.DEFINE_float("target_accuracy", 0.95, "accuracy: test accuracy for time-to-accuracy.")
@@ -101,25 +99,6 @@ def recipe_of(spec: str) -> tuple[str, float, float]:
         else:
             momentum = number
     return name, lr, momentum
-
-
-def train_digits():
-    """`examples/train_digits.py` of this source tree, which owns the data and models.
-
-    Raises:
-      ImportError: outside a source checkout (the examples are not installed).
-    """
-    if "train_digits" in sys.modules:
-        return sys.modules["train_digits"]
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
-        os.path.abspath(__file__)))), "examples", "train_digits.py")
-    if not os.path.exists(path):
-        raise ImportError(f"the accuracy suite needs {path} (run it from a source checkout)")
-    spec = importlib.util.spec_from_file_location("train_digits", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    sys.modules["train_digits"] = module
-    return module
 
 
 def time_to_target(accuracies: Sequence[float], seconds: Sequence[float],
@@ -188,7 +167,7 @@ def train_cell(model: str, recipe: str, mode: str, devices: Sequence[str], data,
     """Trains one cell of the matrix.
 
     Args:
-      model: an architecture of `train_digits.MODELS`.
+      model: an architecture of `digits.MODELS`.
       recipe: a key of `RECIPES`, optionally with overrides (`recipe_of`).
       mode: "stock" or a compressor spec.
       devices: the replicas' devices.
@@ -208,7 +187,6 @@ def train_cell(model: str, recipe: str, mode: str, devices: Sequence[str], data,
       `bytes_per_step` (per replica, last step), `ratio` (what an uncompressed
       all-reduce would send over that) and `comm_error` (mean over steps).
     """
-    digits = train_digits()
     name, lr, momentum = recipe_of(recipe)
     note = ""
     for attempt in range(2):
@@ -334,7 +312,7 @@ def compare(modes: Sequence[str], devices: Sequence[str], epochs: int, target: f
       ValueError: for an unknown model or recipe.
     """
     check_cells(models, recipes)
-    data = train_digits().load_data(SEED)
+    data = digits.load_data(SEED)
     rows = []
     for model in models:
         for recipe in recipes:
@@ -392,11 +370,11 @@ def matrix_table(rows: Sequence[dict]) -> str:
 
 def check_cells(models: Sequence[str], recipes: Sequence[str]) -> None:
     """Raises ValueError for an unknown model or recipe, or a recipe's bad override."""
-    unknown = [m for m in models if m not in train_digits().MODELS]
+    unknown = [m for m in models if m not in digits.MODELS]
     unknown += [r for r in recipes if r.split(":")[0] not in RECIPES]
     if unknown:
         raise ValueError(f"unknown models or optimizers {unknown}; valid models: "
-                         f"{', '.join(train_digits().MODELS)}; optimizers: {', '.join(RECIPES)}")
+                         f"{', '.join(digits.MODELS)}; optimizers: {', '.join(RECIPES)}")
     for r in recipes:
         recipe_of(r)
 
