@@ -451,6 +451,7 @@ def test_autotune_prints_its_decision_and_takes_numpy_seconds(devices, capsys):
     out = capsys.readouterr().out.splitlines()
     decision = [line for line in out if line.startswith("tf_gradsync.autotune: ")]
     assert len(decision) == 1 and f"exchange {ops.decision.exchange}" in decision[0]
+    assert decision[0].endswith("train with the optimizer ops.adapt_optimizer(optimizer) returns")
     assert sum(line.startswith("tf_gradsync.autotune trial: ") for line in out) == 2
     assert ops.decision.compute_s == pytest.approx(0.01) and ops.decision.guard is False
     # A strategy of its own: the first call installed its pick, which may compress.

@@ -459,7 +459,8 @@ def autotune(strategy: tf.distribute.Strategy, weights, *, compute: float | Call
         f"{decision.predicted_speedup:.2f}x uncompressed (link {link.latency_s * 1e6:.3g} us, "
         f"{link.bytes_per_s * 8e-9:.4g} Gbit/s, all-to-all rounds "
         f"{link.round_seconds * 1e6:.3g} us; compute {compute_s:.4g} s; "
-        f"{strategy.num_replicas_in_sync} replicas)")
+        f"{strategy.num_replicas_in_sync} replicas); train with the optimizer "
+        "ops.adapt_optimizer(optimizer) returns")
     for line in lines:
         logging.info("%s", line)
         if verbose:
