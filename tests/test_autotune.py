@@ -493,6 +493,34 @@ def test_every_worker_reaches_the_same_decision(tmp_path):
                                   np.asarray(ranks[1]["weights"][0]))
 
 
+def test_autotune_with_sparse_as_dense_returns_ops_that_send_the_tables_dense(devices):
+    """`sparse_as_dense=True` among autotune's arguments reaches the ops it returns: a
+    step of a model with an Embedding then sends the table's gradient through fp16,
+    halving every byte (a gathered table's int32 indices would keep it below 2)."""
+    strategy = _strategy(devices)
+    with strategy.scope():
+        ids = tf.keras.Input((3,), dtype="int32")
+        rows = tf.keras.layers.Embedding(50, 4)(ids)
+        model = tf.keras.Model(ids, tf.keras.layers.Dense(2)(tf.keras.layers.Flatten()(rows)))
+        opt = tf.keras.optimizers.SGD(0.1)
+    ops = gs.autotune(strategy, model, compute=0.01, compressors=["fp16"], trials=0,
+                      probe_bytes=(4096, 1 << 16), calibrate_numel=20_000, verbose=False,
+                      sparse_as_dense=True)
+    assert ops.sparse_as_dense and gs._tf_compat.cross_device_ops_of(strategy) is ops
+    x = tf.constant(np.arange(24).reshape(8, 3) % 50, tf.int32)
+
+    @tf.function
+    def step():
+        def replica(xs):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(model(xs) ** 2)
+            opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
+                                    model.trainable_variables))
+        strategy.run(replica, (x[:2],))
+    step()
+    assert ops.stats()["compression_ratio"] == 2.0
+
+
 def test_a_models_embedding_tables_are_left_out_of_the_priced_weights():
     """An Embedding's gradient is the rows it looked up, gathered alike under every
     candidate: autotune prices the model's other weights, not the table as a dense
