@@ -70,6 +70,15 @@ def test_unknown_suite_is_a_usage_error():
     assert "got ['nope']" in out.stderr and "single_host" in out.stderr, out.stderr[-2000:]
 
 
+def test_help_shows_every_suites_flags_and_exits_0():
+    for args in (["--help"], ["micro", "-h"]):
+        out = bench(*args, timeout=60)
+        assert out.returncode == 0, out.stderr[-2000:]
+        for text in ("python -m tf_gradsync.bench <suite>", "--sizes:", "--rate:", "--batch:",
+                     "--accuracy_epochs:", "--json:"):
+            assert text in out.stdout
+
+
 def test_an_output_in_a_missing_folder_is_refused_before_the_suite_runs(tmp_path):
     missing = tmp_path / "no" / "rows.json"
     out = bench("micro", f"--json={missing}", "--sizes=1000", "--compressors=none",
@@ -77,6 +86,33 @@ def test_an_output_in_a_missing_folder_is_refused_before_the_suite_runs(tmp_path
     assert out.returncode == 1
     assert f"folder {str(missing.parent)!r} does not exist" in out.stderr, out.stderr[-2000:]
     assert "[bench] micro" not in out.stderr     # nothing was measured
+
+
+def test_an_output_is_written_whole_or_not_at_all(tmp_path):
+    """A write that fails (a full disk) leaves the file as it was and exits naming the
+    flag; one that succeeds replaces it, with the permissions `open` gives, and leaves
+    no temporary file."""
+    from tf_gradsync.bench.__main__ import write_json, written
+    path = tmp_path / "rows.json"
+    path.write_text('[{"old": 1}]')
+    with pytest.raises(SystemExit, match=r"--json=.*rows.json could not be written \(No space "
+                                         r"left on device\); the table above holds the results"):
+        with written("json", str(path)) as tmp:
+            with open(tmp, "w") as f:
+                f.write('[{"new"')
+            raise OSError(28, "No space left on device")
+    assert json.loads(path.read_text()) == [{"old": 1}]
+    assert os.listdir(tmp_path) == ["rows.json"]
+    write_json("json", str(path), [{"new": 2}])
+    assert json.loads(path.read_text()) == [{"new": 2}]
+    assert os.listdir(tmp_path) == ["rows.json"]
+    mask = os.umask(0)
+    os.umask(mask)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~mask
+    # A device is written as it is, never replaced by a file.
+    with pytest.raises(SystemExit, match=r"--json=/dev/full could not be written"):
+        write_json("json", "/dev/full", [{"new": 2}] * 10_000)
+    assert not os.path.isfile("/dev/full")
 
 
 @pytest.mark.parametrize("args,message", [

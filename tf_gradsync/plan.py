@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import json
 import math
 import os
 import sys
@@ -388,7 +387,7 @@ def main(argv: Sequence[str]) -> None:
     from tf_gradsync.algorithms.cost import (  # pylint: disable=import-outside-toplevel
         Link, parse_bandwidth)
     from tf_gradsync.bench.__main__ import (  # pylint: disable=import-outside-toplevel
-        check_outputs, table)
+        check_outputs, table, write_json, written)
     try:
         _check_flags(rest)
         check_outputs(json=FLAGS.json, png=FLAGS.png)
@@ -448,10 +447,10 @@ def main(argv: Sequence[str]) -> None:
               "devices together")
     print(table(rows, COLUMNS))
     if FLAGS.json:
-        with open(FLAGS.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        write_json("json", FLAGS.json, rows)
     if FLAGS.png:
-        draw(rows, FLAGS.png)
+        with written("png", FLAGS.png) as tmp:
+            draw(rows, tmp)
 
 
 def draw(rows: Sequence[dict], path: str) -> None:

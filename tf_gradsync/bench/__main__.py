@@ -21,9 +21,12 @@ Results print as a markdown table; --json writes them to a file, --png draws the
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
+import sys
+import tempfile
 
 from absl import app, flags
 
@@ -77,6 +80,39 @@ def check_outputs(**paths) -> None:
             os.remove(path)
 
 
+@contextlib.contextmanager
+def written(flag: str, path: str):
+    """Yields a temporary file beside `path` to write an output flag's file to, then
+    moves it onto `path` in one step: a write that fails (a full disk) leaves what
+    `path` held before, and exits with a message naming the flag, not a traceback. A
+    path that is no regular file (/dev/stdout, a pipe) is written as it is."""
+    tmp = None
+    try:
+        if not os.path.exists(path) or os.path.isfile(path):
+            folder, name = os.path.split(os.path.abspath(path))
+            fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=os.path.splitext(name)[1],
+                                       dir=folder)
+            os.close(fd)
+            mask = os.umask(0)
+            os.umask(mask)
+            os.chmod(tmp, 0o666 & ~mask)     # as `open` would make it, not mkstemp's 0600
+        yield tmp or path
+        if tmp:
+            os.replace(tmp, path)
+    except OSError as e:
+        raise SystemExit(f"--{flag}={path} could not be written ({e.strerror or e}); the "
+                         "table above holds the results") from None
+    finally:
+        if tmp and os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def write_json(flag: str, path: str, rows) -> None:
+    """`rows` as JSON in `path`, whole or not at all (see `written`)."""
+    with written(flag, path) as tmp, open(tmp, "w", encoding="utf-8") as f:
+        json.dump(rows, f, indent=1)
+
+
 def table(rows, cols) -> str:
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
@@ -107,15 +143,27 @@ def main(argv):
     rows, cols = suite.run()
     print(table(rows, cols))
     if FLAGS.json:
-        with open(FLAGS.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        write_json("json", FLAGS.json, rows)
     if FLAGS.png:
-        figure.write_png(rows, cols, FLAGS.png, getattr(suite, "PLOT", None), title=argv[1])
+        with written("png", FLAGS.png) as tmp:
+            figure.write_png(rows, cols, tmp, getattr(suite, "PLOT", None), title=argv[1])
         if getattr(suite, "SCATTER", None):    # a prediction against measurement
             stem, _ = os.path.splitext(FLAGS.png)
-            figure.write_scatter(rows, f"{stem}_predicted.png", suite.SCATTER, title=argv[1])
+            with written("png", f"{stem}_predicted.png") as tmp:
+                figure.write_scatter(rows, tmp, suite.SCATTER, title=argv[1])
     return 0
 
 
+def usage() -> str:
+    """This docstring and every suite's flags, by the module that defines them (absl's
+    --help shows only the flags of `__main__`, and exits 1)."""
+    modules = [sys.modules[__name__], *map(importlib.import_module, SUITES.values())]
+    return "\n\n".join([__doc__.strip(), "Flags:",
+                        *filter(None, map(FLAGS.module_help, modules))])
+
+
 if __name__ == "__main__":
+    if any(a in ("-h", "-help", "--help", "--helpshort") for a in sys.argv[1:]):
+        print(usage())
+        sys.exit(0)
     app.run(main)
