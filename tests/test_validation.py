@@ -237,15 +237,25 @@ def test_bad_yaml_names_the_file(tmp_path):
                              "`compression: NAME` (valid names: adaptive, bf16,"),
     ("compression: none\nerror_feedback: true\n",
      "preset.yaml: NoCompression() sends every value exactly"),
+    ("compresion: fp16\n", "preset.yaml: unknown config keys ['compresion']; valid keys: "
+                           "compression, "),
+    (b"compression: fp16 \xff\n", "preset.yaml: not a UTF-8 text file (invalid start byte "
+                                   "at byte 18)"),
 ])
 def test_a_preset_file_names_itself_and_the_key(tmp_path, text, message):
     """Every error of a preset file starts with its path; nothing is silently dropped (a
     key given twice) or assumed (an empty file, a file without a compressor)."""
     path = tmp_path / "preset.yaml"
-    path.write_text(text)
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
     with pytest.raises(ValueError) as e:
         gs.load_config(path)
     assert str(e.value).startswith(str(path)) and message in str(e.value), str(e.value)
+
+
+def test_a_folder_is_no_preset(tmp_path):
+    with pytest.raises(ValueError, match=f"'{tmp_path}' is a folder; give a preset's YAML file "
+                                         "or the name of a shipped preset: adaptive, bf16"):
+        gs.load_config(tmp_path)
 
 
 # ------------------------------------------------------------ TF_CONFIG

@@ -151,8 +151,8 @@ def parse_config(source: str | os.PathLike | Mapping[str, Any]) -> SyncConfig:
       The validated `SyncConfig`.
 
     Raises:
-      ValueError: for a source that is neither a path nor a mapping, YAML that does not
-        parse (or asks for Python objects: files are read with `yaml.safe_load`), an
+      ValueError: for a source that is neither a path nor a mapping, a folder, a file
+        that is not UTF-8 text, YAML that does not parse (or asks for Python objects: files are read with `yaml.safe_load`), an
         empty file or one without `compression`, a key given twice, unknown keys
         (listing the valid ones) or bad values; a file's errors start with its path.
       FileNotFoundError: for a missing file that names no shipped preset (the message
@@ -163,19 +163,18 @@ def parse_config(source: str | os.PathLike | Mapping[str, Any]) -> SyncConfig:
     if not isinstance(source, (str, os.PathLike)):
         raise ValueError(f"a preset is a YAML path or a mapping, got {source!r}")
     path = _preset_or(os.fspath(source))
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
     try:
-        data = load_yaml(text)
+        with open(path, encoding="utf-8") as f:
+            data = load_yaml(f.read())
         if data is None:
             raise ValueError("the preset is empty; give at least `compression: NAME`")
         if not isinstance(data, dict):
             raise ValueError(f"a preset must be a YAML mapping, got {type(data).__name__}")
-        if "compression" not in data:
-            # A file is a preset of one compressor: none is not assumed.
-            raise ValueError(f"the preset names no compressor; give `compression: NAME` "
-                             f"(valid names: {', '.join(compression.names())})")
-        return _validated(data)
+        # A file is a preset of one compressor: none is not assumed.
+        return _validated(data, named=True)
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not a UTF-8 text file ({e.reason} at byte {e.start})"
+                         ) from None
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from None
 
@@ -183,6 +182,9 @@ def parse_config(source: str | os.PathLike | Mapping[str, Any]) -> SyncConfig:
 def _preset_or(path: str) -> str:
     """`path`, or the shipped preset it names when no such file exists: "fp16", or
     "configs/fp16.yaml" as a source checkout has it, from anywhere."""
+    if os.path.isdir(path):
+        raise ValueError(f"{path!r} is a folder; give a preset's YAML file or the name of a "
+                         f"shipped preset: {', '.join(presets())}")
     if os.path.exists(path):
         return path
     name = Path(path).name.removesuffix(".yaml")
@@ -194,11 +196,16 @@ def _preset_or(path: str) -> str:
                             f"{', '.join(presets())}")
 
 
-def _validated(data: dict) -> SyncConfig:
+def _validated(data: dict, named: bool = False) -> SyncConfig:
+    """`data` as a `SyncConfig`; with `named`, it must name its compressor (after
+    unknown keys are refused: a misspelt `compression` is named as such)."""
     valid = [f.name for f in dataclasses.fields(SyncConfig)]
     unknown = sorted(set(data) - set(valid), key=str)
     if unknown:
         raise ValueError(f"unknown config keys {unknown}; valid keys: {', '.join(valid)}")
+    if named and "compression" not in data:
+        raise ValueError(f"the preset names no compressor; give `compression: NAME` "
+                         f"(valid names: {', '.join(compression.names())})")
     return SyncConfig(**data)
 
 
