@@ -125,6 +125,8 @@ def test_an_output_is_written_whole_or_not_at_all(tmp_path):
     (["micro", "--micro_jit_compile=maybe"], "--micro_jit_compile takes true and/or false"),
     (["passes", "--passes_shape=16"], "--passes_shape must be a kernel's two dimensions"),
     (["single_host", "--rounds=0"], "flag --rounds=0: 0 is not a positive integer"),
+    (["multiworker", "--batch=0"], "flag --batch=0: 0 is not a positive integer"),
+    (["cluster", "--rematch=-1"], "flag --rematch=-1: -1 is not a non-negative integer"),
     (["single_host", "--stock_ops=r1d,bogus"], "--stock_ops has bogus; valid: r1d, default, hier"),
     (["single_host", "--global_batch=6"], "--global_batch=6 does not split over the 4 replicas"),
     (["accuracy", "--models=mlp,nosuch"], "unknown models or optimizers ['nosuch']; valid models:"),

@@ -44,7 +44,8 @@ flags.DEFINE_list("rate", ["1gbit"], "cluster: link rates, tc style (100mbit, 1g
 flags.DEFINE_string("delay", None, "cluster: one-way latency added to each link (needs netem).")
 flags.DEFINE_integer("cluster_timeout", 900, "cluster: seconds one run may take.", lower_bound=1)
 flags.DEFINE_integer("rematch", 0, "cluster: with autotune, jobs of the fastest compressor row's "
-                     "mode and of autotune run again, alternating, each this many times.")
+                     "mode and of autotune run again, alternating, each this many times.",
+                     lower_bound=0)
 FLAGS = flags.FLAGS
 
 #: PowerSGD built without its dense warm-up, as in the sittings BENCHMARKS.md records

@@ -29,7 +29,7 @@ flags.DEFINE_enum("model", "dense", list(models.NAMES),
                   "multiworker, cluster: dense (--params weights in one layer), mlp (in "
                   "four), resnet50 or transformer.")
 flags.DEFINE_integer("batch", None, "multiworker, cluster: examples per worker and step "
-                     "(default: 16; resnet50 8, transformer 8 sequences).")
+                     "(default: 16; resnet50 8, transformer 8 sequences).", lower_bound=1)
 flags.DEFINE_integer("image_size", 224, "multiworker, cluster: resnet50 image size.", lower_bound=1)
 FLAGS = flags.FLAGS
 #: The mode whose ops `tf_gradsync.autotune` chooses.
