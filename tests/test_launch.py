@@ -227,11 +227,21 @@ def test_thread_env():
     (["--num_workers=2"], "give the worker command after --"),
     (["--num_workers=2", "--threads_per_worker=-1", "--", "x.py"],
      "--threads_per_worker must be >= 0, got -1"),
+    # TEST-NET: no interface of this machine has it.
+    (["--num_workers=2", "--hosts=127.0.0.1,192.0.2.1", "--", __file__],
+     "--hosts names 192.0.2.1, not addresses of this machine, and this launcher starts every "
+     "worker here; for several machines print each one's TF_CONFIG with --print_tf_config"),
+    (["--num_workers=2", "--", "no_such_train.py"], "no such script 'no_such_train.py'"),
 ])
 def test_bad_flags(args, message, capsys):
     with pytest.raises(SystemExit):
         launch.parse_args(args)
     assert message in capsys.readouterr().err
+
+
+def test_hosts_of_this_machine_start_here():
+    args = launch.parse_args(["--num_workers=2", "--hosts=localhost,127.0.0.1", "--", __file__])
+    assert args.hosts == ["localhost", "127.0.0.1"]
 
 
 def test_tf_configs():

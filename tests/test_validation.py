@@ -341,7 +341,7 @@ def test_bad_launcher_flags(args, needles, capsys):
 
 
 def test_launcher_defaults_to_loopback():
-    args = launch.parse_args(["--num_workers=3", "--", "train.py"])
+    args = launch.parse_args(["--num_workers=3", "--", __file__])
     assert args.hosts == ["127.0.0.1"] * 3 and args.port is None
     assert args.restarts == 0 and args.attempt_timeout is None
 

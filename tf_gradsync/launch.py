@@ -33,7 +33,8 @@ cores, a 1M-parameter model, loopback: int8's step 0.141 -> 0.095 s, QSGD's 0.22
 
 For several machines, `--print_tf_config --hosts=h1,h2 --port=P` prints the TF_CONFIG to
 export on each host. Worker addresses are 127.0.0.1 (and free ports are probed there)
-unless `--hosts` says otherwise. TensorFlow's gRPC server is unauthenticated and
+unless `--hosts` names other addresses of this machine (the workers start here; other
+machines' only with `--print_tf_config`). TensorFlow's gRPC server is unauthenticated and
 unencrypted, and listens on every interface whatever host the address names: run
 workers only on a trusted network.
 """
@@ -167,9 +168,37 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     if args.print_tf_config:
         if args.port is None and args.hosts != ["127.0.0.1"] * args.num_workers:
             p.error("--print_tf_config for remote hosts needs --port")
-    elif not args.command:
+        return args
+    if not args.command:
         p.error("give the worker command after --, e.g. -- train.py --epochs=3")
+    # Every worker starts here: an address of another machine would leave them waiting
+    # for peers that are not there until their startup bound.
+    remote = [h for h in dict.fromkeys(hosts) if not _of_this_machine(h)]
+    if remote:
+        p.error(f"--hosts names {', '.join(remote)}, not addresses of this machine, and this "
+                "launcher starts every worker here; for several machines print each one's "
+                "TF_CONFIG with --print_tf_config --port=P and start the workers there")
+    script = args.command[0]
+    if script.endswith(".py") and not os.path.isfile(script):
+        p.error(f"no such script {script!r} (from {os.getcwd()})")
     return args
+
+
+def _of_this_machine(host: str) -> bool:
+    """Whether a worker here can listen on `host` (an address of one of this machine's
+    interfaces, or a name of one)."""
+    try:
+        infos = socket.getaddrinfo(host.strip("[]"), 0, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    for family, kind, proto, _, address in infos:
+        try:
+            with socket.socket(family, kind, proto) as s:
+                s.bind(address)
+            return True
+        except OSError:
+            continue
+    return False
 
 
 def cores() -> int:
