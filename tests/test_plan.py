@@ -241,6 +241,17 @@ def test_params_past_a_layer_limit_are_priced_as_several_layers():
     assert rows and all(math.isfinite(r["predicted_step_s"]) for r in rows)
 
 
+def test_one_device_reduces_nothing():
+    """With one worker of one device TensorFlow never calls the ops: every row is the
+    compute alone, sending nothing."""
+    rows = plan.plan([((1000, 100), tf.float32)], ["fp16", "topk"], [1, 2], ["1gbit"], 0.1)
+    for r in rows:
+        alone = r["workers"] == 1
+        assert (r["predicted_step_s"] == 0.1 and r["predicted_speedup"] == 1.0
+                and r["bytes_per_worker"] == 0 and r["codec_s"] == 0) == alone, r
+    assert {r["workers"] for r in rows} == {1, 2}
+
+
 def test_repeated_values_give_one_row_each(tmp_path, capsys):
     out = tmp_path / "rows.json"
     plan.main(["plan", "--params=10000", "--compute_s=0.1", "--compressors=fp16,fp16",
@@ -294,7 +305,12 @@ def test_the_command_line_prints_and_writes_rows(tmp_path):
     (["--params=1000", "--compute_s=1", "--codec_gbps=0"],
      "--codec_gbps must be a finite number > 0, got 0.0"),
     (["--params=1000", "--compute_s=1", "--codec_gbps=-1"], "--codec_gbps must be"),
-    (["--params=1000", "--compute_s=inf"], "--compute_s must be a finite number >= 0, got inf"),
+    (["--params=1000", "--compute_s=inf"], "--compute_s must be a finite number > 0, got inf"),
+    (["--params=1000", "--compute_s=0"], "--compute_s must be a finite number > 0, got 0.0"),
+    (["--params=1000", "--compute_s=1", "--compressors="], "--compressors is empty; name them"),
+    (["--params=1000", "--compute_s=1", "--compressors=fp16:exchange=gather"],
+     "fp16:exchange=gather: exchange='gather' is how payloads that cannot be summed travel, but "
+     "Float16(prescale=True)'s are summed"),
     (["--params=1000", "--compute_s=1", "--latency_us=-50"],
      "--latency_us must be a finite number >= 0, got -50.0"),
     (["--params=1000", "--calibrate", "--batch=0"], "--batch must be a finite number >= 1"),

@@ -69,6 +69,8 @@ CASES = [
          "'twophase'", "auto, gather, two_phase"),
     case("config-exchange", lambda: gs.load_config({"exchange": 2}), "2",
          "auto, gather, two_phase"),
+    case("ops-exchange-summed", lambda: gs.CompressedAllReduce("fp16", exchange="gather"),
+         "exchange='gather'", "Float16(prescale=True)'s are summed", "leave exchange='auto'"),
     case("ops-compression", lambda: gs.CompressedAllReduce(compression=None), "None", NAMES),
     case("ops-timeout-nan", lambda: gs.CompressedAllReduce(timeout_seconds=NAN), "nan", "positive"),
     case("ops-timeout-str", lambda: gs.CompressedAllReduce(timeout_seconds="10"), "'10'",

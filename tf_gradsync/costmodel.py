@@ -225,6 +225,8 @@ def predict(compressor: Compressor | str, payloads: Sequence[BucketPayload], exc
         raise ValueError(f"compute_s must be >= 0, got {compute_s!r}")
     if not call_s >= 0:
         raise ValueError(f"call_s must be >= 0, got {call_s!r}")
+    if workers * local == 1:      # TensorFlow reduces nothing and never calls the ops
+        return Prediction(c.name, exchange, 0.0, 0.0, 0.0, compute_s, compute_s)
     rate = throughput or THROUGHPUT.get(c.name, DEFAULT_THROUGHPUT)
     # Each device decodes the payloads of all N L members.
     n, sent, wire, codec, last = workers * local, 0.0, 0.0, 0.0, 0.0

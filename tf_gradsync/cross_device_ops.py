@@ -52,7 +52,7 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
         re-compresses it with its own error feedback, then the reduced chunks are
         all-gathered: 2(N-1)/N of a payload whatever N) or "auto" (per bucket, the
         cheaper by predicted cost: gather at N = 2, two phases for large buckets
-        beyond).
+        beyond); only "auto" for compressors whose payloads are summed.
       guard: watch each bucket's compression error and send a bucket in fp16 while
         its mean over a window stays above 0.99, returning when it would fall
         (`tf_gradsync.compression.Guard`; identical on every worker). Not applied
@@ -115,6 +115,11 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
             self._compressor = Guard(self._compressor)
         if warmup_steps:
             self._compressor = Warmup(self._compressor, int(warmup_steps))
+        if exchange != "auto" and self._compressor.summable:
+            raise ValueError(f"exchange={exchange!r} is how payloads that cannot be summed "
+                             f"travel, but {self._compressor!r}'s are summed (algorithm="
+                             f"{algorithm!r}: ring, tree, collective or hierarchical); leave "
+                             "exchange='auto'")
         self._algorithm = algorithm
         self._exchange = exchange
         self._bucket_bytes = bucket_bytes

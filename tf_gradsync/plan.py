@@ -313,7 +313,7 @@ def plan(specs, compressors: Sequence[str], workers: Sequence[int], bandwidths: 
             for spec, ops in built.items():
                 rate = (throughput or {}).get(spec)
                 for ex in costmodel.exchanges_for(ops.compressor, local):
-                    if not (ops.compressor.summable or ops.exchange in ("auto", ex)):
+                    if ops.exchange not in ("auto", ex):
                         continue       # the spec pins the other exchange
                     p = costmodel.predict(ops.compressor, payloads[spec], ex, members, wire,
                                           compute_s, rate, overlap, local=local,
@@ -363,7 +363,7 @@ def _check_flags(rest: Sequence[str]) -> None:
                          "flag, comma-separated (--workers=2,8)")
     if not FLAGS.bandwidth:
         raise ValueError("--bandwidth needs at least one rate (e.g. --bandwidth=1gbit)")
-    checks = [("compute_s", FLAGS.compute_s, 0, False), ("latency_us", FLAGS.latency_us, 0, False),
+    checks = [("compute_s", FLAGS.compute_s, 0, True), ("latency_us", FLAGS.latency_us, 0, False),
               ("codec_gbps", FLAGS.codec_gbps, 0, True), ("batch", FLAGS.batch, 1, False),
               ("local_latency_us", FLAGS.local_latency_us, 0, False)]
     for name, value, low, above in checks:
@@ -397,7 +397,10 @@ def main(argv: Sequence[str]) -> None:
                 importlib.import_module(module)
             except ImportError as e:
                 raise ValueError(f"--imports={module}: {e}") from e
-        names = FLAGS.compressors or compression.names()
+        names = compression.names() if FLAGS.compressors is None else FLAGS.compressors
+        if not names:
+            raise ValueError("--compressors is empty; name them (--compressors=fp16,topk), "
+                             "or leave the flag out for every registered one")
         from tf_gradsync.bench import check_specs  # pylint: disable=import-outside-toplevel
         check_specs(names)     # before a model is built or anything measured
         specs, lookups = gradients_of(FLAGS.model, FLAGS.params, FLAGS.batch)
@@ -444,7 +447,7 @@ def main(argv: Sequence[str]) -> None:
     if FLAGS.devices_per_worker > 1:
         print(f"{FLAGS.devices_per_worker} devices per worker, {FLAGS.local_bandwidth} and "
               f"{FLAGS.local_latency_us:g} us between them; bytes_per_worker: a worker's "
-              "devices together")
+              "devices together (of one worker: what each device sends to the others)")
     print(table(rows, COLUMNS))
     if FLAGS.json:
         write_json("json", FLAGS.json, rows)
