@@ -142,6 +142,22 @@ def test_round_bytes_are_those_of_the_payload_sent(name):
     assert transports == ({gs.compression.SUM} if compressor.summable else {gs.compression.GATHER})
 
 
+def test_payload_sizes_are_traced_once_per_setting_and_layout():
+    """A compressor's payload sizes are kept by its settings (its repr) and the layout:
+    an equal instance reuses them (the planner prices every worker count from one
+    tracing), other settings or layouts get their own."""
+    layout = Layout(((300, 20), (20,)))
+    first = costmodel.bucket_rounds(gs.compression.get("topk", ratio=0.01), layout)
+    assert costmodel.bucket_rounds(gs.compression.get("topk", ratio=0.01), layout) is first
+    wider = costmodel.bucket_rounds(gs.compression.get("topk", ratio=0.02), layout)
+    assert sum(b for _, b in wider) > sum(b for _, b in first)
+    assert costmodel.bucket_rounds(gs.compression.get("topk", ratio=0.01),
+                                   Layout(((600, 20),))) != first
+    dgc = gs.compression.get("dgc")
+    whole, chunks, server = gs.compression.two_phase.payload_bytes(dgc, layout, 4)
+    assert dgc.codec() is not dgc.server_codec() and chunks == server
+
+
 @pytest.mark.parametrize("name", ["fp16", "int8", "topk", "sign", "powersgd"])
 def test_predicted_bytes_match_the_pipeline(devices, name):
     """Bytes per replica predicted for 4 replicas against `stats()` of one reduction on

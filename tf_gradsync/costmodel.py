@@ -80,10 +80,26 @@ class BucketPayload:
     chunks: tuple[int, int, int] | None = None
 
 
+#: `bucket_rounds` by (compressor type, repr, layout): a compressor's repr names every
+#: setting that shapes its payloads (workers check that theirs agree by it), and tracing
+#: a codec costs a second or more per layout, which the planner would otherwise pay
+#: again for every worker count.
+_ROUNDS: dict = {}
+
+
 def bucket_rounds(compressor: Compressor, layout: Layout) -> tuple[tuple[str, int], ...]:
     """Each round's transport and payload bytes for a bucket of `layout`, in the
     compressor's steady mode (`Compressor.steady_mode`), from the tensors it builds (in a
     scratch graph, run never)."""
+    key = (type(compressor), repr(compressor), layout)
+    if key not in _ROUNDS:
+        if len(_ROUNDS) > 100_000:
+            _ROUNDS.clear()
+        _ROUNDS[key] = _traced_rounds(compressor, layout)
+    return _ROUNDS[key]
+
+
+def _traced_rounds(compressor: Compressor, layout: Layout) -> tuple[tuple[str, int], ...]:
     out = []
 
     def exchange(messages):     # one member: its own payload, summed or gathered

@@ -191,21 +191,27 @@ def _server_context(ctx: Context, j: int, codec: Compressor) -> Context:
                                replica=(ctx.replica + 0x2545F491) % (1 << 30))
 
 
+#: Payload bytes by (codec type, repr, layout), for `payload_bytes`.
+_SIZES: dict = {}
+
+
 def payload_bytes(compressor: Compressor, layout: Layout, parts: int) -> tuple[int, int, int]:
     """What a bucket's payloads weigh, from the codecs' own tensors, in their steady
     state (last mode): `(whole bucket, chunks, re-compressed chunks)`, the last two
     summed over the `parts` chunks. Built in a scratch graph, run never."""
-    sizes: dict = {}
-
     def size(codec: Compressor, chunk: Layout) -> int:
-        # Sizes depend on the layout alone; at large N most chunks share one.
-        key = (id(codec), chunk)
-        if key not in sizes:
+        # Sizes depend on the codec's settings and the layout alone: at large N most
+        # chunks share one, a server codec often equals the codec, and worker counts
+        # share the whole bucket's.
+        key = (type(codec), repr(codec), chunk)
+        if key not in _SIZES:
+            if len(_SIZES) > 100_000:
+                _SIZES.clear()
             ctx = Context(state=NoState(codec), layout=chunk, mode=codec.steady_mode())
             payload, _ = xla.checked(codec, codec.compress(tf.zeros([chunk.numel], chunk.dtype),
                                                            ctx))
-            sizes[key] = nbytes(payload)
-        return sizes[key]
+            _SIZES[key] = nbytes(payload)
+        return _SIZES[key]
 
     codec, server = compressor.codec(), compressor.server_codec()
     chunks = split(layout, parts)
