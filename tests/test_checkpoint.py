@@ -194,6 +194,12 @@ def test_an_optimizer_resuming_without_its_compression_state_is_warned_of(device
     model4, opt4, step4 = setup(ops4)
     tf.train.Checkpoint(model=model4, optimizer=opt4, gradsync=ops4).restore(path)
     assert "tf_gradsync: an optimizer" not in warned(step4)
+    # A compressor that keeps no state (QSGD: unbiased, no error feedback, none at the
+    # owners of two phases either) has nothing to resume.
+    ops5 = gs.CompressedAllReduce("qsgd", exchange="two_phase")
+    model5, opt5, step5 = setup(ops5)
+    tf.train.Checkpoint(model=model5, optimizer=opt5).restore(path)
+    assert "tf_gradsync: an optimizer" not in warned(step5)
     del model, opt, step
 
     # Two models of one shape with optimizers of their own (an ensemble), resumed in the

@@ -493,10 +493,10 @@ class _Owner:
 
 
 def _has_state(compressor: Compressor, plan: BucketPlan) -> bool:
-    """Whether reductions under `plan` keep state: the compressor's, or in two phases
-    (gathered payloads only) the owners'."""
-    return not compressor.summable or any(compressor.state_spec(b.layout)
-                                          for b in plan.buckets)
+    """Whether reductions under `plan` may keep state: the compressor's, or in two
+    phases (gathered payloads only) the owners' residual of a biased compressor."""
+    return (any(compressor.state_spec(b.layout) for b in plan.buckets)
+            or (not compressor.summable and two_phase.owner_feedback(compressor)))
 
 
 def _weak(obj) -> weakref.ref | None:

@@ -97,13 +97,13 @@ def state_spec(compressor: Compressor, layout: Layout, chunks: Chunks) -> dict[s
     (`c{j}_` + its name) and the residual of the chunk it owns (`server_residual`)."""
     spec = {f"c{j}_{k}": s for j, chunk in enumerate(chunks.layouts)
             for k, s in compressor.state_spec(chunk).items()}
-    if _owner_feedback(compressor):
+    if owner_feedback(compressor):
         spec[SERVER] = StateSpec((chunks.layouts[chunks.member].numel,),
                                  _util.work_dtype(layout.dtype))
     return spec
 
 
-def _owner_feedback(compressor: Compressor) -> bool:
+def owner_feedback(compressor: Compressor) -> bool:
     """Whether the owner keeps a residual of its re-compression: where the replicas
     keep one, for a biased compressor (error feedback on by default). An unbiased
     one's error is noise of mean zero, and error feedback on an unbiased codec whose
@@ -155,7 +155,7 @@ def rounds(compressor: Compressor, x: tf.Tensor, ctx: Context) -> Rounds:
     me = chunks.member
     summed = xla.decode(compressor, ctx, lambda r: compressor.combine(r, metas[me]), received)
     # Records no error: not the replicas' compression.
-    if _owner_feedback(compressor):
+    if owner_feedback(compressor):
         server = dataclasses.replace(_server_context(ctx, me, codec),
                                      state={"residual": ctx.state[SERVER]})
         reduced, meta = ErrorFeedback(codec).encode(tf.cast(summed, x.dtype), server)
