@@ -34,6 +34,7 @@ class _Pending:
         self.initial: dict[str, Callable[[], tf.Tensor]] = {}
         self.sealed: set[str] = set()      # key prefixes whose variables all exist
         self.named: set[str] = set()       # keys a warning named as of another plan
+        self.restored: set[str] = set()    # keys of variables made with a loaded value
 
 
 class SyncState(tf.Module):
@@ -73,11 +74,14 @@ class SyncState(tf.Module):
                 var = _tf_compat.plain_variable(initial_value, name=key, device=device)
                 if key in self._pending.values:
                     _assign(var, key, self._pending.values.pop(key))
+                    self._pending.restored.add(key)
                 # TensorFlow restores on insertion, and skips a value of another shape
                 # without a word.
                 for shape in _tf_compat.deferred_shapes(self._variables, key):
                     if shape is not None and tuple(shape) != tuple(var.shape):
                         _warn_shape(key, shape, var.shape)
+                    else:
+                        self._pending.restored.add(key)
                 self._variables[key] = var
                 self._pending.initial[key] = initial_value
         return self._variables[key]
@@ -124,13 +128,21 @@ class SyncState(tf.Module):
                         and not any(k.startswith(p) for p in self._pending.sealed))
         if others:
             self._pending.named.update(others)
-            logging.warning(
-                "tf_gradsync: %d loaded state values are of another compressor or bucket "
-                "plan than the step just built (%s%s): unless a step over those tensors with "
-                "that compressor and bucket_bytes follows, they restore nothing, and the "
-                "state of this one (error feedback, momentum, warm starts) starts from its "
-                "initial values.", len(others), ", ".join(others[:4]),
-                ", ..." if len(others) > 4 else "")
+            names = ", ".join(others[:4]) + (", ..." if len(others) > 4 else "")
+            if any(k.startswith(prefix) for k in self._pending.restored):
+                # This plan resumed: most likely a second model's state, whose step
+                # comes next (a GAN's discriminator, a twin of one shape).
+                logging.info(
+                    "tf_gradsync: %d loaded state values wait for a step over other tensors "
+                    "(%s): a second model's reduction takes them; without one they restore "
+                    "nothing.", len(others), names)
+            else:
+                logging.warning(
+                    "tf_gradsync: %d loaded state values are of another compressor or bucket "
+                    "plan than the step just built (%s): unless a step over those tensors "
+                    "with that compressor and bucket_bytes follows, they restore nothing, and "
+                    "the state of this one (error feedback, momentum, warm starts) starts from "
+                    "its initial values.", len(others), names)
 
     def waiting(self) -> set[str]:
         """Keys of loaded values no variable has taken yet: loaded from Keras 3 weight
