@@ -152,9 +152,10 @@ def parse_config(source: str | os.PathLike | Mapping[str, Any]) -> SyncConfig:
 
     Raises:
       ValueError: for a source that is neither a path nor a mapping, a folder, a file
-        that is not UTF-8 text, YAML that does not parse (or asks for Python objects: files are read with `yaml.safe_load`), an
-        empty file or one without `compression`, a key given twice, unknown keys
-        (listing the valid ones) or bad values; a file's errors start with its path.
+        that is not UTF-8 text, YAML that does not parse (or asks for Python objects:
+        files are read with `yaml.safe_load`), an empty file or one without
+        `compression`, a key given twice, unknown keys (listing the valid ones) or bad
+        values; a file's errors start with its path (a folder's name it).
       FileNotFoundError: for a missing file that names no shipped preset (the message
         lists them).
     """
