@@ -285,7 +285,10 @@ def test_the_command_line_prints_and_writes_rows(tmp_path):
 
 @pytest.mark.parametrize("args,message", [
     (["--params=1000"], "give --compute_s"),
-    (["--params=1000", "--compute_s=1", "--bandwidth=fast"], "bandwidth 'fast' is not a rate"),
+    (["--params=1000", "--compute_s=1", "--bandwidth=fast"],
+     "--bandwidth: bandwidth 'fast' is not a rate"),
+    (["--params=1000", "--compute_s=1", "--overlap=2"], "flag --overlap=2: 2.0 is not a number in the range [0.0, 1.0]"),
+    (["--params=1000", "--compute_s=1", "--bucket_bytes=0"], "flag --bucket_bytes=0: 0 is not"),
     (["--model=nosuchnet", "--compute_s=1"], "unknown model 'nosuchnet'"),
     (["--compute_s=1"], "give exactly one of --params"),
     (["--params=1000", "--compute_s=1", "--workers=0"], "--workers must be integers >= 1"),

@@ -28,7 +28,8 @@ from typing import Sequence
 
 from absl import flags
 
-from tf_gradsync.algorithms.cost import LOCAL_BANDWIDTH, LOCAL_LATENCY_US, local_link as _local
+from tf_gradsync.algorithms.cost import (LOCAL_BANDWIDTH, LOCAL_LATENCY_US, local_link as _local,
+                                         parse_bandwidth)
 from tf_gradsync.config import DEFAULT_BUCKET_BYTES
 
 FLAGS = flags.FlagValues()
@@ -64,9 +65,9 @@ flags.DEFINE_integer("batch", 32, "Examples per worker and step: --calibrate's, 
 flags.DEFINE_bool("sparse_as_dense", False, "Price embedding tables as dense gradients, "
                   "as CompressedAllReduce(sparse_as_dense=True) sends them.", flag_values=FLAGS)
 flags.DEFINE_integer("bucket_bytes", DEFAULT_BUCKET_BYTES, "CompressedAllReduce's bucket_bytes.",
-                     flag_values=FLAGS)
+                     lower_bound=1, flag_values=FLAGS)
 flags.DEFINE_float("overlap", 0.0, "Share of compute exchanges hide behind, in [0, 1].",
-                   flag_values=FLAGS)
+                   lower_bound=0.0, upper_bound=1.0, flag_values=FLAGS)
 flags.DEFINE_float("codec_gbps", None, "One compress + decompress throughput (GB/s of input) "
                    "for every compressor, instead of the defaults or --calibrate.",
                    flag_values=FLAGS)
@@ -292,7 +293,7 @@ def plan(specs, compressors: Sequence[str], workers: Sequence[int], bandwidths: 
       ValueError: for a bad compressor, rate or setting (naming it and the choices).
     """
     from tf_gradsync import costmodel  # pylint: disable=import-outside-toplevel
-    from tf_gradsync.algorithms.cost import Link, parse_bandwidth  # pylint: disable=import-outside-toplevel
+    from tf_gradsync.algorithms.cost import Link  # pylint: disable=import-outside-toplevel
     from tf_gradsync.bench import ops_from_spec  # pylint: disable=import-outside-toplevel
     if not (isinstance(devices, int) and devices >= 1):
         raise ValueError(f"devices per worker must be an integer >= 1, got {devices!r}")
@@ -363,6 +364,11 @@ def _check_flags(rest: Sequence[str]) -> None:
                          "flag, comma-separated (--workers=2,8)")
     if not FLAGS.bandwidth:
         raise ValueError("--bandwidth needs at least one rate (e.g. --bandwidth=1gbit)")
+    for rate in FLAGS.bandwidth:
+        try:
+            parse_bandwidth(rate)
+        except ValueError as e:
+            raise ValueError(f"--bandwidth: {e}") from None
     checks = [("compute_s", FLAGS.compute_s, 0, True), ("latency_us", FLAGS.latency_us, 0, False),
               ("codec_gbps", FLAGS.codec_gbps, 0, True), ("batch", FLAGS.batch, 1, False),
               ("local_latency_us", FLAGS.local_latency_us, 0, False)]
@@ -384,8 +390,7 @@ def main(argv: Sequence[str]) -> None:
     except flags.Error as e:
         sys.exit(f"plan: {e}\nSee --help.")
     from tf_gradsync import compression  # pylint: disable=import-outside-toplevel
-    from tf_gradsync.algorithms.cost import (  # pylint: disable=import-outside-toplevel
-        Link, parse_bandwidth)
+    from tf_gradsync.algorithms.cost import Link  # pylint: disable=import-outside-toplevel
     from tf_gradsync.bench.__main__ import (  # pylint: disable=import-outside-toplevel
         check_outputs, table, write_json, written)
     try:
