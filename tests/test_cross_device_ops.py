@@ -1041,27 +1041,6 @@ def test_values_without_devices_are_refused_rather_than_left_waiting(devices):
                  tf.float16, scale=4.0)
 
 
-def test_values_of_several_replicas_on_one_device_are_refused(devices):
-    """Made eagerly by `experimental_distribute_values_from_function`, every replica's
-    value sits on the first CPU device: replica 1's residual was made there, and every
-    later step of that shape failed on replica 1's own device. Refused, saying why, where
-    the compressor keeps state (fp16's sums of such values reduce)."""
-    ops = gs.CompressedAllReduce("topk")
-    strategy = tf.distribute.MirroredStrategy(devices[:2], cross_device_ops=ops)
-    with tf.device(devices[0]):
-        parts = [tf.ones([100]), tf.ones([100])]
-    value = gs._tf_compat.per_replica(parts)
-    with pytest.raises(ValueError, match=r"each replica's value must be on its own device for "
-                                         r"ErrorFeedback\(inner=TopK.*keeps state per replica; got "
-                                         r"devices .*holds several.*make them in strategy.run"):
-        strategy.extended.batch_reduce_to(SUM, [(value, value)])
-    # Made in strategy.run, the same values reduce, and so does a later function.
-    value = strategy.run(lambda: tf.ones([100]))
-    strategy.extended.batch_reduce_to(SUM, [(value, value)])
-    tf.function(lambda: strategy.extended.batch_reduce_to(
-        SUM, [(strategy.run(lambda: tf.ones([100])),) * 2]))()
-
-
 @pytest.mark.parametrize("name", ["sign", "topk", "int8", "qsgd", "adaptive"])
 def test_a_reduction_run_eagerly_matches_its_function(devices, name, monkeypatch):
     """A step run eagerly (to debug it) reduces as its `tf.function` does, without

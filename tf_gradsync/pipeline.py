@@ -361,17 +361,6 @@ class Pipeline:
                          tf.constant(int(plan.fingerprint, 16) + bucket.id, tf.int64)])
         layout = bucket.layout
         two = self.two_phase(compressor, layout, n)
-        shared = [d for d in dict.fromkeys(src) if src.count(d) > 1]
-        if shared and (compressor.state_spec(layout)
-                       or (two and two_phase.owner_feedback(compressor))):
-            # A replica's state lives on its value's device: made on another replica's,
-            # it is out of reach of the replica's own device in every later step.
-            raise ValueError(
-                f"each replica's value must be on its own device for {compressor!r}, which "
-                f"keeps state per replica; got devices {src} ({shared[0]} holds several): "
-                "values made eagerly outside strategy.run (as "
-                "experimental_distribute_values_from_function makes them) can all sit on the "
-                "first device; make them in strategy.run or in a tf.function")
         ctxs = []
         for r, d in enumerate(src):
             compressor.check_input(xs[r])
