@@ -31,8 +31,8 @@ import tensorflow as tf
 from tf_gradsync import _tf_compat
 from tf_gradsync.algorithms.cost import ALL_REDUCES, Link, bytes_sent, exchange_seconds
 from tf_gradsync.bucketing import plan_buckets
-from tf_gradsync.compression import (GATHER, Compressor, Context, Layout, driver, get, nbytes,
-                                    two_phase)
+from tf_gradsync.compression import (GATHER, Compressor, Context, Layout, _util, driver, get,
+                                    nbytes, two_phase)
 
 #: Compress + decompress throughput in bytes of float32 input per second on one core:
 #: `python -m tf_gradsync.bench micro` on 25M elements on the development machine (see
@@ -80,10 +80,8 @@ class BucketPayload:
     chunks: tuple[int, int, int] | None = None
 
 
-#: `bucket_rounds` by (compressor type, repr, layout): a compressor's repr names every
-#: setting that shapes its payloads (workers check that theirs agree by it), and tracing
-#: a codec costs a second or more per layout, which the planner would otherwise pay
-#: again for every worker count.
+#: `bucket_rounds` by compressor setting and layout (`_util.by_setting`): the planner
+#: would otherwise trace them again for every worker count.
 _ROUNDS: dict = {}
 
 
@@ -91,12 +89,8 @@ def bucket_rounds(compressor: Compressor, layout: Layout) -> tuple[tuple[str, in
     """Each round's transport and payload bytes for a bucket of `layout`, in the
     compressor's steady mode (`Compressor.steady_mode`), from the tensors it builds (in a
     scratch graph, run never)."""
-    key = (type(compressor), repr(compressor), layout)
-    if key not in _ROUNDS:
-        if len(_ROUNDS) > 100_000:
-            _ROUNDS.clear()
-        _ROUNDS[key] = _traced_rounds(compressor, layout)
-    return _ROUNDS[key]
+    return _util.by_setting(_ROUNDS, compressor, layout,
+                            lambda: _traced_rounds(compressor, layout))
 
 
 def _traced_rounds(compressor: Compressor, layout: Layout) -> tuple[tuple[str, int], ...]:

@@ -36,6 +36,19 @@ def check_flag(name: str, value) -> None:
         raise ValueError(f"{name} must be a bool (True or False), got {value!r}")
 
 
+def by_setting(cache: dict, codec, layout, make):
+    """`make()`, kept in `cache` by the codec's type and repr and `layout`: what a codec
+    builds for a layout follows from its settings, which its repr names (workers check
+    that theirs agree by it), and tracing it costs a second or more. The cache empties
+    past 100,000 entries."""
+    key = (type(codec), repr(codec), layout)
+    if key not in cache:
+        if len(cache) > 100_000:
+            cache.clear()
+        cache[key] = make()
+    return cache[key]
+
+
 def work_dtype(dtype: tf.DType) -> tf.DType:
     """The dtype compressors compute in: float64 for float64 input, float32 otherwise."""
     return tf.float64 if dtype == tf.float64 else tf.float32

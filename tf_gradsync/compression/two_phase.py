@@ -191,7 +191,7 @@ def _server_context(ctx: Context, j: int, codec: Compressor) -> Context:
                                replica=(ctx.replica + 0x2545F491) % (1 << 30))
 
 
-#: Payload bytes by (codec type, repr, layout), for `payload_bytes`.
+#: Payload bytes by codec setting and layout (`_util.by_setting`), for `payload_bytes`.
 _SIZES: dict = {}
 
 
@@ -203,15 +203,12 @@ def payload_bytes(compressor: Compressor, layout: Layout, parts: int) -> tuple[i
         # Sizes depend on the codec's settings and the layout alone: at large N most
         # chunks share one, a server codec often equals the codec, and worker counts
         # share the whole bucket's.
-        key = (type(codec), repr(codec), chunk)
-        if key not in _SIZES:
-            if len(_SIZES) > 100_000:
-                _SIZES.clear()
+        def traced() -> int:
             ctx = Context(state=NoState(codec), layout=chunk, mode=codec.steady_mode())
             payload, _ = xla.checked(codec, codec.compress(tf.zeros([chunk.numel], chunk.dtype),
                                                            ctx))
-            _SIZES[key] = nbytes(payload)
-        return _SIZES[key]
+            return nbytes(payload)
+        return _util.by_setting(_SIZES, codec, chunk, traced)
 
     codec, server = compressor.codec(), compressor.server_codec()
     chunks = split(layout, parts)
