@@ -1067,7 +1067,8 @@ def test_a_reduction_run_eagerly_matches_its_function(devices, name, monkeypatch
         def step():
             def fn():
                 r = tf.distribute.get_replica_context().replica_id_in_sync_group
-                return tf.random.stateless_normal([300, 40], (r, 7))
+                # Large enough a bucket to compile (`xla.MIN_COMPILED_NUMEL`).
+                return tf.random.stateless_normal([300, 220], (r, 7))
             per_replica = strategy.run(fn)
             return strategy.extended.batch_reduce_to(SUM, [(per_replica, per_replica)])
         run = step if eager else tf.function(step)
@@ -1077,5 +1078,8 @@ def test_a_reduction_run_eagerly_matches_its_function(devices, name, monkeypatch
     assert Traces.count == 0
     compiled = reduce(False)
     assert Traces.count > 0       # the function compiles its codecs, once
+    # Sign's scales are bfloat16: block norms that XLA and TensorFlow round differently
+    # in float32 can land a scale one bfloat16 step (2^-8 of it) apart.
+    rtol = 2.0 ** -7 if name == "sign" else 1e-5
     for a, b in zip(eager, compiled):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(a, b, rtol=rtol, atol=rtol * np.abs(a).max())

@@ -94,12 +94,17 @@ def test_decodings_are_compiled_only_when_asked(jit_compile):
     assert _compiled_functions(graph) == (6 if jit_compile else 0)
 
 
-def test_pipeline_compiles_by_default_and_not_when_told(devices):
-    for jit_compile, compiled in ((True, True), (False, False)):
+@pytest.mark.parametrize("shape", [(256, 256), (255, 256)], ids=["large", "small"])
+def test_pipeline_compiles_by_default_and_not_when_told(devices, shape):
+    """Buckets of `MIN_COMPILED_NUMEL` entries and more compile by default; smaller
+    ones, where compiling costs seconds and saves nothing, run TensorFlow's ops."""
+    assert xla.MIN_COMPILED_NUMEL == 256 * 256
+    large = shape[0] * shape[1] >= xla.MIN_COMPILED_NUMEL
+    for jit_compile, compiled in ((True, large), (False, False)):
         ops = gs.CompressedAllReduce("int8", jit_compile=jit_compile)
         strategy = tf.distribute.MirroredStrategy(devices[:2], cross_device_ops=ops)
         value = strategy.experimental_distribute_values_from_function(
-            lambda ctx: tf.fill([64, 8], tf.cast(ctx.replica_id_in_sync_group + 1, tf.float32)))
+            lambda ctx: tf.fill(shape, tf.cast(ctx.replica_id_in_sync_group + 1, tf.float32)))
 
         @tf.function
         def step():

@@ -32,7 +32,7 @@ from tf_gradsync import _tf_compat
 from tf_gradsync.algorithms.cost import ALL_REDUCES, Link, bytes_sent, exchange_seconds
 from tf_gradsync.bucketing import plan_buckets
 from tf_gradsync.compression import (GATHER, Compressor, Context, Layout, _util, driver, get,
-                                    nbytes, two_phase)
+                                    nbytes, two_phase, xla)
 
 #: Compress + decompress throughput in bytes of float32 input per second on one core:
 #: `python -m tf_gradsync.bench micro` on 25M elements on the development machine (see
@@ -214,7 +214,8 @@ def predict(compressor: Compressor | str, payloads: Sequence[BucketPayload], exc
       local_link: between a worker's devices (default: `link`).
       jit_compile: whether the ops compile their decodings (`CompressedAllReduce`'s
         setting): a gather's further payloads then cost `DECODE_SHARE_COMPILED` of a
-        round trip each where the compressor's decodings compile, else `DECODE_SHARE`.
+        round trip each where the compressor's decodings compile (in buckets of
+        `xla.MIN_COMPILED_NUMEL` entries or more), else `DECODE_SHARE`.
       call_s: seconds of one call of the data path on one core whatever its length
         (`measure_codec`): a bucket is one call, except in two phases, where each of
         the N L chunks is encoded by a call of its own.
@@ -255,7 +256,8 @@ def predict(compressor: Compressor | str, payloads: Sequence[BucketPayload], exc
                       else "hierarchical" if local > 1 else "ring")
             kind_bytes = [("gather" if t == GATHER else reduce, p, None) for t, p in b.rounds]
             gathered = any(t == GATHER for t, _ in b.rounds)
-            share = DECODE_SHARE_COMPILED if jit_compile and c.xla_decode else DECODE_SHARE
+            compiled = c.xla_decode and xla.compiles(jit_compile, b.numel)
+            share = DECODE_SHARE_COMPILED if compiled else DECODE_SHARE
             work = roundtrip * (1 + (n - 1) * share if gathered else 1) + (
                 call_s if b.numel else 0.0)
         w = sum(exchange_seconds(k, workers, p, link, s, local, local_link)
@@ -322,7 +324,7 @@ def roundtrip_fn(compressor: Compressor, layout: Layout, replicas: int = 1,
     def run(x):
         ctx = Context(state=state, step=step.read_value(), seed=tf.stack([step, 7]),
                       layout=layout, num_replicas=replicas,
-                      jit_compile=jit_compile)
+                      jit_compile=xla.compiles(jit_compile, layout.numel))
         outcome = driver.run(compressor, [x], [ctx], exchange, measure_error=measure_error)
         step.assign_add(1)
         if measure_error:     # as the stats read it, so that it is computed

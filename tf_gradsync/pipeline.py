@@ -26,7 +26,7 @@ from tf_gradsync import _tf_compat, algorithms, costmodel
 from tf_gradsync.algorithms import Wire
 from tf_gradsync.bucketing import Bucket, BucketPlan, plan_buckets
 from tf_gradsync.compression import (SCATTER, Compressor, Context, Message, NoCompression,
-                                     driver, two_phase)
+                                     driver, two_phase, xla)
 from tf_gradsync.compression.base import check_adapted_rate, nbytes, replica_id
 from tf_gradsync.state import SyncState
 from tf_gradsync.stats import Stats
@@ -366,11 +366,12 @@ class Pipeline:
             compressor.check_input(xs[r])
             chunks = two_phase.split(layout, n, group.members[r]) if two else None
             # A step run eagerly (to debug it) would trace and compile each codec anew at
-            # every call: its ops run one by one instead.
+            # every call: its ops run one by one instead, as a small bucket's do.
             ctxs.append(Context(state=self._state_for(compressor, plan, bucket, r, d, chunks),
                                 step=step, seed=seed, num_replicas=n, replica=replica_id(d),
                                 layout=layout, chunks=chunks,
-                                jit_compile=self.jit_compile and not tf.executing_eagerly()))
+                                jit_compile=(xla.compiles(self.jit_compile, layout.numel)
+                                             and not tf.executing_eagerly())))
 
         def exchange(messages: Sequence[Message]):
             first, wire = messages[0], Wire()

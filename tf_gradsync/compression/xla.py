@@ -29,6 +29,21 @@ import tensorflow as tf
 
 _tracing = threading.local()
 
+#: Buckets of fewer entries than this run their codecs as TensorFlow's ops even where
+#: the ops compile (`compiles`): the fused loop saves nothing measurable there, while
+#: each compiled stage costs 0.1-0.5 s to compile on a bucket's first step and again at
+#: each retrace. One core, a bucket's whole data path: 64K entries took the same time
+#: compiled or not (2.2-2.7 ms for sign, int8, QSGD, TernGrad, top-k, PowerSGD), 256K
+#: entries 2.5 ms against 4.4 (QSGD), 2.9 against 6.3 (TernGrad) (BENCHMARKS.md,
+#: "Small buckets uncompiled").
+MIN_COMPILED_NUMEL = 1 << 16
+
+
+def compiles(jit_compile: bool, numel: int) -> bool:
+    """Whether `CompressedAllReduce(jit_compile=...)` compiles the codecs of a bucket of
+    `numel` entries (`MIN_COMPILED_NUMEL`)."""
+    return jit_compile and numel >= MIN_COMPILED_NUMEL
+
 
 def tracing() -> bool:
     """True while `call` traces: a decoding may then pick the form XLA runs fastest."""
@@ -129,4 +144,4 @@ def decode(compressor, ctx, fn: Callable[..., tf.Tensor], *args) -> tf.Tensor:
     return fn(*args)
 
 
-__all__ = ["call", "compress", "decode", "stage", "summing", "summing_payloads", "tracing"]
+__all__ = ["MIN_COMPILED_NUMEL", "call", "compiles", "compress", "decode", "stage", "summing", "summing_payloads", "tracing"]
