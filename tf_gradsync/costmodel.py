@@ -214,8 +214,9 @@ def predict(compressor: Compressor | str, payloads: Sequence[BucketPayload], exc
       local_link: between a worker's devices (default: `link`).
       jit_compile: whether the ops compile their decodings (`CompressedAllReduce`'s
         setting): a gather's further payloads then cost `DECODE_SHARE_COMPILED` of a
-        round trip each where the compressor's decodings compile (in buckets of
-        `xla.MIN_COMPILED_NUMEL` entries or more), else `DECODE_SHARE`.
+        round trip each where the compressor's decodings compile, else `DECODE_SHARE`
+        (also for buckets under `xla.MIN_COMPILED_NUMEL`, which run uncompiled: a
+        codec call of their size costs about the same either way).
       call_s: seconds of one call of the data path on one core whatever its length
         (`measure_codec`): a bucket is one call, except in two phases, where each of
         the N L chunks is encoded by a call of its own.
@@ -256,8 +257,7 @@ def predict(compressor: Compressor | str, payloads: Sequence[BucketPayload], exc
                       else "hierarchical" if local > 1 else "ring")
             kind_bytes = [("gather" if t == GATHER else reduce, p, None) for t, p in b.rounds]
             gathered = any(t == GATHER for t, _ in b.rounds)
-            compiled = c.xla_decode and xla.compiles(jit_compile, b.numel)
-            share = DECODE_SHARE_COMPILED if compiled else DECODE_SHARE
+            share = DECODE_SHARE_COMPILED if jit_compile and c.xla_decode else DECODE_SHARE
             work = roundtrip * (1 + (n - 1) * share if gathered else 1) + (
                 call_s if b.numel else 0.0)
         w = sum(exchange_seconds(k, workers, p, link, s, local, local_link)

@@ -63,7 +63,7 @@ class CompressedAllReduce(tf.distribute.CrossDeviceOps, tf.Module):
         sign, onebit and int8 with XLA into fused loops, where they declare it
         (`Compressor.xla_decode`, `xla_compress`): on one core, four gathered int8
         payloads of 25M entries summed in 19 ms instead of 92. Each bucket compiles
-        on the first step; buckets under 65,536 entries (where compiling saves
+        on the first step; buckets under 16,384 entries (where compiling saves
         nothing measurable) and steps run eagerly run them uncompiled. False runs them as
         TensorFlow ops (a device without XLA, debugging).
       sparse_as_dense: densify embedding gradients (IndexedSlices) on each replica and

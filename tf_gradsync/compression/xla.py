@@ -32,11 +32,12 @@ _tracing = threading.local()
 #: Buckets of fewer entries than this run their codecs as TensorFlow's ops even where
 #: the ops compile (`compiles`): the fused loop saves nothing measurable there, while
 #: each compiled stage costs 0.1-0.5 s to compile on a bucket's first step and again at
-#: each retrace. One core, a bucket's whole data path: 64K entries took the same time
-#: compiled or not (2.2-2.7 ms for sign, int8, QSGD, TernGrad, top-k, PowerSGD), 256K
+#: each retrace. One core, a bucket's whole data path: 4K and 64K entries took the same
+#: time compiled or not (2.1-2.7 ms for sign, int8, QSGD, top-k, PowerSGD), 256K
 #: entries 2.5 ms against 4.4 (QSGD), 2.9 against 6.3 (TernGrad) (BENCHMARKS.md,
-#: "Small buckets uncompiled").
-MIN_COMPILED_NUMEL = 1 << 16
+#: "Small buckets uncompiled"). The line sits low in that range (16K) so that buckets
+#: of models' size, which might gain at some size not measured, keep compiling.
+MIN_COMPILED_NUMEL = 1 << 14
 
 
 def compiles(jit_compile: bool, numel: int) -> bool:
