@@ -145,4 +145,5 @@ def decode(compressor, ctx, fn: Callable[..., tf.Tensor], *args) -> tf.Tensor:
     return fn(*args)
 
 
-__all__ = ["MIN_COMPILED_NUMEL", "call", "compiles", "compress", "decode", "stage", "summing", "summing_payloads", "tracing"]
+__all__ = ["MIN_COMPILED_NUMEL", "call", "compiles", "compress", "decode", "stage", "summing",
+           "summing_payloads", "tracing"]
