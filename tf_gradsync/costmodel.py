@@ -214,9 +214,9 @@ def predict(compressor: Compressor | str, payloads: Sequence[BucketPayload], exc
       local_link: between a worker's devices (default: `link`).
       jit_compile: whether the ops compile their decodings (`CompressedAllReduce`'s
         setting): a gather's further payloads then cost `DECODE_SHARE_COMPILED` of a
-        round trip each where the compressor's decodings compile, else `DECODE_SHARE`
-        (also for buckets under `xla.MIN_COMPILED_NUMEL`, which run uncompiled: a
-        codec call of their size costs about the same either way).
+        round trip each where the compressor's decodings compile, else `DECODE_SHARE`.
+        Buckets under `xla.MIN_COMPILED_NUMEL` run uncompiled but are priced by this
+        setting too: a codec call of their size costs about the same either way.
       call_s: seconds of one call of the data path on one core whatever its length
         (`measure_codec`): a bucket is one call, except in two phases, where each of
         the N L chunks is encoded by a call of its own.
